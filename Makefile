@@ -1,0 +1,37 @@
+# One entry point for setup, the main job, the tests and the benchmarks.
+# `make test` and `make demo` build .venv from scratch on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kmesh-installed
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test gpu-test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch: a local wheel on the dev/CI machines (pip's find-links); the GPU machine brings its own.
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m kmesh_vllm.cli demo --device cpu
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# On the GPU machine (torch/cupy/numba preinstalled there): run from the checkout.
+gpu-test:
+	PYTHONPATH=. $(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+
+bench:
+	PYTHONPATH=. $(PYTHON) perf/bench_place.py
+	PYTHONPATH=. $(PYTHON) perf/run_sha256.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

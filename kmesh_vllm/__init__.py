@@ -1,0 +1,1 @@
+"""KMesh model side: vLLM layout/connector adapter, model harness, blender, workloads, CLI."""
