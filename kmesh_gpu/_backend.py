@@ -30,12 +30,13 @@ def has_warp() -> bool:
 
 @functools.cache
 def warp():
-    """Import and initialise Warp once per process (quietly, kernel cache in the default place)."""
+    """Import and initialise Warp once per process (quietly unless KMESH_WARP_VERBOSE is set)."""
     if not has_warp():
         raise BackendError("backend 'warp' requested but the warp-lang package is not installed")
     import warp as wp
 
-    wp.config.quiet = os.environ.get("KMESH_WARP_VERBOSE", "") == ""
+    if os.environ.get("KMESH_WARP_VERBOSE", "") == "":
+        wp.config.log_level = wp.LOG_WARNING  # keep start-up and per-module compile lines out of logs
     wp.init()
     return wp
 

@@ -1,0 +1,417 @@
+"""Placement of saved KV segments into paged caches (with the RoPE shift of K), and the reverse.
+
+Public entry points validate everything before any byte is written; backends then run one launch:
+
+* ``place``      — one segment into one cache.
+* ``place_many`` — many segments into one or several caches (e.g. 4 segments x 4 children) in one launch.
+* ``gather``     — read cache slots back into a ``(2, L, T, H, D)`` segment tensor (used when saving).
+
+Backends: ``"torch"`` (reference, any device), ``"warp"`` (CPU and CUDA), ``"cupy"`` (CUDA,
+``csrc/place.cu``). All give identical bits: the fp32 shift uses one fixed operation order without
+fused multiply-adds (see :mod:`kmesh_gpu.rope`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _backend
+from .errors import LayoutError
+from .layout import KVLayout, storage_dtype
+from .rope import RopeSpec, shift_fp32
+
+FP8_MAX = 448.0
+
+
+# ---------------------------------------------------------------------------------- validation
+def _fmt(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor], bool]:
+    """Flat element views of ``cache`` (one tensor, or a list of L per-layer tensors)."""
+    if isinstance(cache, torch.Tensor):
+        tensors, per_layer = [cache], False
+    elif isinstance(cache, Sequence) and cache and all(isinstance(c, torch.Tensor) for c in cache):
+        tensors, per_layer = list(cache), True
+        if len(tensors) != layout.num_layers:
+            raise LayoutError(f"{name}: expected {layout.num_layers} per-layer tensors, got {len(tensors)}")
+    else:
+        raise LayoutError(f"{name}: expected a tensor or a list of per-layer tensors, got {type(cache).__name__}")
+    want = layout.storage_dtype
+    extent = layout.extent
+    if per_layer:  # each tensor holds one layer: the layer stride does not apply
+        last = [s - 1 for s in layout.sizes]
+        extent = 1 + max(off + sum(a * b for a, b in zip(last[1:], st[1:]))
+                         for st, off in ((layout.k_strides, layout.k_offset), (layout.v_strides, layout.v_offset)))
+    flats = []
+    for i, t in enumerate(tensors):
+        label = name if not per_layer else f"{name}[{i}]"
+        if storage_dtype(t.dtype) != want:
+            raise LayoutError(f"{label}: expected dtype {layout.dtype}, got {_fmt(t)}")
+        if t.device != tensors[0].device:
+            raise LayoutError(f"{label}: all per-layer tensors must share one device, got {t.device}")
+        # The tensor itself (not just its storage) must span the layout: a slice of a larger cache
+        # is refused rather than silently addressed beyond its edges.
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        avail = min(span, t.untyped_storage().nbytes() // t.element_size() - t.storage_offset())
+        if avail < extent:
+            raise LayoutError(f"{label}: the layout addresses {extent} elements from its start, the tensor "
+                              f"spans {avail} ({_fmt(t)}, layout {layout.name} sizes={layout.sizes})")
+        flats.append(t.view(want).as_strided((extent,), (1,)))
+    return flats, per_layer
+
+
+def _index(name: str, x, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """Validate an int64[n] index tensor and return it on the host."""
+    if not isinstance(x, torch.Tensor):
+        raise LayoutError(f"{name}: expected a torch int64[{n}] tensor, got {type(x).__name__}")
+    if x.dtype != torch.int64 or x.dim() != 1 or x.shape[0] != n:
+        raise LayoutError(f"{name}: expected int64[{n}], got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
+    return x.cpu()
+
+
+@dataclass
+class _Item:
+    kv: torch.Tensor          # (2, L, T, H, D), storage dtype, contiguous
+    cache_key: tuple          # identity of the destination cache
+    slots: torch.Tensor       # int64[T] host
+    old: torch.Tensor | None  # int64[T] host
+    new: torch.Tensor | None
+
+
+def _check_kv(name: str, kv, layout: KVLayout, device: torch.device) -> torch.Tensor:
+    if not isinstance(kv, torch.Tensor):
+        raise LayoutError(f"{name}: expected a tensor (2, L, T, H, D), got {type(kv).__name__}")
+    L, _, H, _, D = layout.sizes
+    if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[1] != L or kv.shape[3] != H or kv.shape[4] != D:
+        raise LayoutError(f"{name}: expected (2, L={L}, T, H={H}, D={D}), got {_fmt(kv)}")
+    if storage_dtype(kv.dtype) != layout.storage_dtype:
+        raise LayoutError(f"{name}: expected dtype {layout.dtype} (the cache's), got {_fmt(kv)}")
+    if kv.device != device:
+        raise LayoutError(f"{name}: expected device {device} (the cache's), got {kv.device}")
+    if not kv.is_contiguous():
+        raise LayoutError(f"{name}: expected a contiguous tensor, got strides {kv.stride()}")
+    return kv.view(layout.storage_dtype)
+
+
+def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool):
+    if not isinstance(layout, KVLayout):
+        raise LayoutError(f"layout: expected a KVLayout, got {type(layout).__name__}")
+    if rope is not None and not isinstance(rope, RopeSpec):
+        raise LayoutError(f"rope: expected a RopeSpec or None, got {type(rope).__name__}")
+    if rope is None and (old_positions is not None or new_positions is not None):
+        raise LayoutError("old_positions/new_positions: given without rope; pass rope= to shift keys")
+    if rope is not None:
+        if rope.head_size != layout.head_size:
+            raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
+        if old_positions is None or new_positions is None:
+            raise LayoutError("old_positions/new_positions: both are required when rope is given")
+        if layout.storage_dtype != torch.uint8 and layout.dtype != rope.dtype:
+            raise LayoutError(f"rope: dtype {rope.dtype} differs from the cache dtype {layout.dtype}")
+    n = len(kvs)
+    cache_views: dict[tuple, tuple[list[torch.Tensor], bool]] = {}
+    items: list[_Item] = []
+    device = None
+    for i in range(n):
+        c = caches[i]
+        flats, per_layer = _cache_layers(c, layout, "cache" if n == 1 else f"caches[{i}]")
+        key = tuple(f.data_ptr() for f in flats)
+        cache_views.setdefault(key, (flats, per_layer))
+        device = device or flats[0].device
+        if flats[0].device != device:
+            raise LayoutError(f"caches[{i}]: all caches must be on one device ({device}), got {flats[0].device}")
+        kv = _check_kv("kv" if n == 1 else f"kvs[{i}]", kvs[i], layout, device)
+        T = kv.shape[2]
+        sl = _index("slots" if n == 1 else f"slots[{i}]", slots[i], T)
+        if T and (int(sl.min()) < -1 or int(sl.max()) >= layout.num_slots):
+            raise LayoutError(f"{'slots' if n == 1 else f'slots[{i}]'}: expected values in [-1, "
+                              f"{layout.num_slots}) (num_blocks x block_size = {layout.num_blocks} x "
+                              f"{layout.block_size}), got range [{int(sl.min())}, {int(sl.max())}]")
+        old = new = None
+        if rope is not None:
+            sfx = "" if n == 1 else f"[{i}]"
+            old = _index("old_positions" + sfx, old_positions[i], T)
+            new = _index("new_positions" + sfx, new_positions[i], T)
+            rope.check_positions("old_positions" + sfx, old[sl >= 0])
+            rope.check_positions("new_positions" + sfx, new[sl >= 0])
+        items.append(_Item(kv, key, sl, old, new))
+    if not gather:  # two writes to one slot of one cache would race
+        by_cache: dict[tuple, list[torch.Tensor]] = {}
+        for it in items:
+            by_cache.setdefault(it.cache_key, []).append(it.slots[it.slots >= 0])
+        for key, parts in by_cache.items():
+            allslots = torch.cat(parts)
+            if torch.unique(allslots).numel() != allslots.numel():
+                raise LayoutError("slots: the same destination slot appears more than once for one cache")
+    scale = None
+    if layout.storage_dtype == torch.uint8 and rope is not None:
+        scale = _k_scale(k_scale, layout.num_layers)
+    elif k_scale is not None and layout.storage_dtype != torch.uint8:
+        raise LayoutError("k_scale: only meaningful for fp8 (uint8) caches")
+    return items, cache_views, device, scale
+
+
+def _k_scale(k_scale, L: int) -> torch.Tensor:
+    if k_scale is None:
+        return torch.ones(L, dtype=torch.float32)
+    s = torch.as_tensor(k_scale, dtype=torch.float32).flatten().cpu()
+    if s.numel() == 1:
+        s = s.expand(L).clone()
+    if s.numel() != L or not bool(torch.all(torch.isfinite(s) & (s > 0))):
+        raise LayoutError(f"k_scale: expected a positive finite float or float32[L={L}], got {k_scale!r}")
+    return s
+
+
+@functools.lru_cache(maxsize=8)
+def _fp8_table(device: str) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+
+
+# ---------------------------------------------------------------------------------- torch backend
+def _offsets(layout: KVLayout, which: int, layer, slots: torch.Tensor, per_layer: bool) -> torch.Tensor:
+    """int64 element offsets, shape (L or 1, T, H, D), for K (which=0) or V (which=1)."""
+    st = layout.k_strides if which == 0 else layout.v_strides
+    off = layout.k_offset if which == 0 else layout.v_offset
+    dev = slots.device
+    N = layout.block_size
+    blk, pos = slots // N, slots % N
+    h = torch.arange(layout.num_kv_heads, device=dev)
+    d = torch.arange(layout.head_size, device=dev)
+    lyr = torch.as_tensor(layer, device=dev).reshape(-1, 1, 1, 1)
+    lstride = 0 if per_layer else st[0]
+    return (off + lyr * lstride + (blk * st[1] + pos * st[3]).reshape(1, -1, 1, 1)
+            + (h * st[2]).reshape(1, 1, -1, 1) + (d * st[4]).reshape(1, 1, 1, -1))
+
+
+def _shifted_keys(k: torch.Tensor, old, new, rope: RopeSpec, scale, layout: KVLayout) -> torch.Tensor:
+    """K (L, T, H, D) in storage dtype -> shifted K in storage dtype (one rounding)."""
+    if layout.storage_dtype == torch.uint8:
+        s = scale.to(k.device).reshape(-1, 1, 1, 1)
+        x = _fp8_table(str(k.device))[k.long()] * s
+        y = shift_fp32(x, old, new, rope)
+        return (y / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return shift_fp32(k.float(), old, new, rope).to(k.dtype)
+
+
+def _torch_run(items, cache_views, layout, rope, scale, *, gather: bool) -> None:
+    for it in items:
+        flats, per_layer = cache_views[it.cache_key]
+        dev = it.kv.device
+        valid = it.slots >= 0
+        if not bool(valid.any()):
+            continue
+        vidx = valid.nonzero().flatten().to(dev)
+        sl = it.slots[valid].to(dev)
+        src = it.kv.index_select(2, vidx)  # (2, L, T', H, D)
+        if rope is not None and not gather:
+            k = _shifted_keys(src[0], it.old[valid].to(dev), it.new[valid].to(dev), rope, scale, layout)
+            src = torch.stack((k, src[1]))
+        layers = range(layout.num_layers)
+        for which in (0, 1):
+            if per_layer:
+                for l in layers:
+                    off = _offsets(layout, which, 0, sl, True)[0]
+                    if gather:
+                        it.kv[which, l, vidx] = flats[l][off]
+                    else:
+                        flats[l][off] = src[which, l]
+            else:
+                off = _offsets(layout, which, torch.arange(layout.num_layers), sl, False)
+                if gather:
+                    it.kv[which][:, vidx] = flats[0][off]
+                else:
+                    flats[0][off] = src[which]
+
+
+# ---------------------------------------------------------------------------------- kernel tables
+def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.device) -> dict:
+    """Pack the launch tables (one int64 host buffer, one copy to the device)."""
+    keys = list(cache_views)
+    L, itemsize = layout.num_layers, layout.storage_dtype.itemsize
+    layer_base = []
+    for key in keys:
+        flats, per_layer = cache_views[key]
+        if per_layer:
+            layer_base += [f.data_ptr() for f in flats]
+        else:
+            base = flats[0].data_ptr()
+            layer_base += [base + l * layout.k_strides[0] * itemsize for l in range(L)]
+    if layout.k_strides[0] != layout.v_strides[0]:
+        raise LayoutError("layout: K and V layer strides differ; the kernels address one layer base per layer")
+    counts = [it.kv.shape[2] for it in items]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    total = starts[-1]
+    tok_item = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(counts, dtype=torch.int64))
+    slots = torch.cat([it.slots for it in items]) if items else torch.zeros(0, dtype=torch.int64)
+    if rope is not None:
+        old = torch.cat([it.old for it in items])
+        new = torch.cat([it.new for it in items])
+    else:
+        old = new = torch.zeros(1, dtype=torch.int64)
+
+    def u64(vals):  # addresses as int64 bit patterns
+        return torch.tensor([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=torch.int64)
+
+    st = layout.k_strides
+    vt = layout.v_strides
+    parts = {
+        "kv_ptrs": u64([it.kv.data_ptr() for it in items]),
+        "item_tok_start": torch.tensor(starts, dtype=torch.int64),
+        "tok_item": tok_item.to(torch.int64),
+        "slots": slots, "old_pos": old, "new_pos": new,
+        "layer_base": u64(layer_base),
+        "item_cache": torch.tensor([keys.index(it.cache_key) for it in items], dtype=torch.int64),
+        "k_st": torch.tensor([st[1], st[2], st[3], st[4], layout.k_offset], dtype=torch.int64),
+        "v_st": torch.tensor([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=torch.int64),
+    }
+    host = torch.cat(list(parts.values()))
+    dev = host.to(device)
+    out, pos = {}, 0
+    for name, t in parts.items():
+        out[name] = dev[pos:pos + t.numel()]
+        pos += t.numel()
+    out["total"] = total
+    dstr = str(device)
+    out["cos_sin"] = rope.cos_sin_fp32(device) if rope is not None else _ones(1, dstr)
+    out["fp8_table"] = _fp8_table(dstr)
+    out["k_scale"] = scale.to(device) if scale is not None else _ones(L, dstr)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _ones(n: int, device: str) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float32, device=device)
+
+
+_CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
+               torch.uint8: "uint8_t"}
+
+
+def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -> None:
+    import cupy
+
+    from ._jit import get_kernel
+
+    dev_id = device.index if device.index is not None else torch.cuda.current_device()
+    names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values())
+    kernel = get_kernel("place.cu", f"kmesh_place<{_CUDA_TYPES[layout.storage_dtype]}>", device_id=dev_id,
+                        name_expressions=names)
+    L, _, H, N, D = layout.sizes
+    total_work = 2 * L * tables["total"] * H * (D // 2)
+    if total_work == 0:
+        return
+    threads = 256
+    blocks = min((total_work + threads - 1) // threads, 132 * 32)
+    rd = rope.rotary_dim if rope is not None else 0
+    neox = int(rope.is_neox_style) if rope is not None else 0
+
+    def p(t):
+        return t.data_ptr()
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with cupy.cuda.Device(dev_id), cupy.cuda.ExternalStream(stream):
+        kernel((blocks,), (threads,), (
+            p(tables["kv_ptrs"]), p(tables["item_tok_start"]), p(tables["tok_item"]), p(tables["slots"]),
+            p(tables["old_pos"]), p(tables["new_pos"]), p(tables["layer_base"]), p(tables["item_cache"]),
+            p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N), cupy.int64(tables["total"]),
+            cupy.int32(int(gather)), cupy.int32(int(rope is not None)), cupy.int32(neox), cupy.int32(rd),
+            p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]),
+        ))
+
+
+def _run(items, cache_views, layout, device, rope, scale, backend: str, *, gather: bool) -> None:
+    chosen = _backend.choose(backend, device)
+    if not items or sum(it.kv.shape[2] for it in items) == 0:
+        return
+    if chosen == "torch":
+        _torch_run(items, cache_views, layout, rope, scale, gather=gather)
+        return
+    tables = _tables(items, cache_views, layout, rope, scale, device)
+    if chosen == "cupy":
+        _cupy_run(tables, layout, device, gather=gather, rope=rope)
+        return
+    from . import _place_warp
+
+    L, _, H, N, D = layout.sizes
+    _place_warp.launch(tables, layout.storage_dtype, device, L=L, H=H, D=D, N=N, total_tokens=tables["total"],
+                       gather=gather, rope=rope is not None, neox=bool(rope and rope.is_neox_style),
+                       rd=rope.rotary_dim if rope is not None else 0)
+
+
+# ---------------------------------------------------------------------------------- public API
+def place(kv: torch.Tensor, cache, layout: KVLayout, slots: torch.Tensor, *, rope: RopeSpec | None = None,
+          old_positions: torch.Tensor | None = None, new_positions: torch.Tensor | None = None,
+          k_scale=None, backend: str = "auto") -> None:
+    """Write one segment's K/V into cache slots, shifting K to new positions when ``rope`` is given.
+
+    Args:
+        kv: ``(2, L, T, H, D)`` segment tensor in the cache dtype (K plane first; fp8 e4m3 as uint8
+            or float8_e4m3fn), contiguous, on the cache's device. Keys are post-RoPE at ``old_positions``.
+        cache: the paged cache described by ``layout`` (a tensor whose storage holds ``layout.extent``
+            elements from its start), or a list of ``L`` per-layer tensors (layer stride ignored).
+        layout: the cache's :class:`KVLayout`.
+        slots: int64[T] destination slots in ``[-1, num_blocks*block_size)``; -1 skips a token.
+        rope: the model's :class:`RopeSpec`; ``None`` copies K and V unchanged.
+        old_positions, new_positions: int64[T] (required with ``rope``) in ``[0, rope.num_positions)``.
+        k_scale: fp8 caches only: the per-tensor K scale (float, or float32[L] per layer); K is
+            dequantised with it, rotated, and requantised with it. V is always copied bit for bit.
+        backend: ``"auto"``, ``"torch"``, ``"warp"`` or ``"cupy"``.
+
+    Nothing outside the addressed slots changes; nothing is written when validation fails
+    (:class:`LayoutError` naming the argument).
+    """
+    items, views, device, scale = _prepare([kv], [cache], layout, [slots], rope,
+                                           None if old_positions is None else [old_positions],
+                                           None if new_positions is None else [new_positions], k_scale, gather=False)
+    _run(items, views, layout, device, rope, scale, backend, gather=False)
+
+
+def place_many(kvs: Sequence[torch.Tensor], caches, layout: KVLayout, slots: Sequence[torch.Tensor], *,
+               rope: RopeSpec | None = None, old_positions: Sequence[torch.Tensor] | None = None,
+               new_positions: Sequence[torch.Tensor] | None = None, k_scale=None, backend: str = "auto") -> None:
+    """Place many segments in one launch (the batched form of :func:`place`).
+
+    ``kvs[i]`` goes to ``slots[i]`` of ``caches[i]`` (``caches`` may also be one tensor shared by all
+    items, e.g. one vLLM cache holding every child's blocks). All caches share ``layout``. Segment
+    tensors stay where they are (a table of their addresses is passed), so nothing is concatenated.
+    Slots must be distinct within each cache.
+    """
+    n = len(kvs)
+    if isinstance(caches, torch.Tensor):
+        caches = [caches] * n
+    caches = list(caches)
+    if len(caches) != n or len(slots) != n:
+        raise LayoutError(f"caches/slots: expected {n} entries like kvs, got {len(caches)} and {len(slots)}")
+    if rope is not None and (old_positions is None or new_positions is None
+                             or len(old_positions) != n or len(new_positions) != n):
+        raise LayoutError(f"old_positions/new_positions: expected {n} entries each when rope is given")
+    items, views, device, scale = _prepare(list(kvs), caches, layout, list(slots), rope, old_positions,
+                                           new_positions, k_scale, gather=False)
+    _run(items, views, layout, device, rope, scale, backend, gather=False)
+
+
+def gather(cache, layout: KVLayout, slots: torch.Tensor, *, backend: str = "auto",
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read cache slots into a new ``(2, L, T, H, D)`` tensor (keys stay as stored, no shift).
+
+    ``slots``: int64[T]; tokens with slot -1 are returned as zeros. ``out`` may supply the
+    destination (contiguous, cache dtype, cache device).
+    """
+    flats, _ = _cache_layers(cache, layout, "cache")
+    device = flats[0].device
+    T = slots.shape[0] if isinstance(slots, torch.Tensor) and slots.dim() == 1 else -1
+    if T < 0:
+        raise LayoutError(f"slots: expected int64[T], got {slots!r}")
+    L, _, H, _, D = layout.sizes
+    if out is None:
+        out = torch.zeros((2, L, T, H, D), dtype=layout.dtype, device=device)
+    items, views, device, _ = _prepare([out], [cache], layout, [slots], None, None, None, None, gather=True)
+    _run(items, views, layout, device, None, None, backend, gather=True)
+    return out
