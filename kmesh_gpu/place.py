@@ -66,13 +66,14 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
     return flats, per_layer
 
 
-def _index(name: str, x, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """Validate an int64[n] index tensor and return it on the host."""
+def _index(name: str, x, n: int, device: torch.device) -> torch.Tensor:
+    """Validate an int64[n] index tensor's type and shape; return it on ``device`` (values are
+    checked later, for all items at once, with a single synchronisation)."""
     if not isinstance(x, torch.Tensor):
         raise LayoutError(f"{name}: expected a torch int64[{n}] tensor, got {type(x).__name__}")
     if x.dtype != torch.int64 or x.dim() != 1 or x.shape[0] != n:
         raise LayoutError(f"{name}: expected int64[{n}], got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-    return x.cpu()
+    return x.to(device)
 
 
 @dataclass
@@ -127,33 +128,54 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
             raise LayoutError(f"caches[{i}]: all caches must be on one device ({device}), got {flats[0].device}")
         kv = _check_kv("kv" if n == 1 else f"kvs[{i}]", kvs[i], layout, device)
         T = kv.shape[2]
-        sl = _index("slots" if n == 1 else f"slots[{i}]", slots[i], T)
-        if T and (int(sl.min()) < -1 or int(sl.max()) >= layout.num_slots):
-            raise LayoutError(f"{'slots' if n == 1 else f'slots[{i}]'}: expected values in [-1, "
-                              f"{layout.num_slots}) (num_blocks x block_size = {layout.num_blocks} x "
-                              f"{layout.block_size}), got range [{int(sl.min())}, {int(sl.max())}]")
+        sfx = "" if n == 1 else f"[{i}]"
+        sl = _index("slots" + sfx, slots[i], T, device)
         old = new = None
         if rope is not None:
-            sfx = "" if n == 1 else f"[{i}]"
-            old = _index("old_positions" + sfx, old_positions[i], T)
-            new = _index("new_positions" + sfx, new_positions[i], T)
-            rope.check_positions("old_positions" + sfx, old[sl >= 0])
-            rope.check_positions("new_positions" + sfx, new[sl >= 0])
+            old = _index("old_positions" + sfx, old_positions[i], T, device)
+            new = _index("new_positions" + sfx, new_positions[i], T, device)
         items.append(_Item(kv, key, sl, old, new))
-    if not gather:  # two writes to one slot of one cache would race
-        by_cache: dict[tuple, list[torch.Tensor]] = {}
-        for it in items:
-            by_cache.setdefault(it.cache_key, []).append(it.slots[it.slots >= 0])
-        for key, parts in by_cache.items():
-            allslots = torch.cat(parts)
-            if torch.unique(allslots).numel() != allslots.numel():
-                raise LayoutError("slots: the same destination slot appears more than once for one cache")
+    _check_values(items, layout, rope, check_duplicates=not gather)
     scale = None
     if layout.storage_dtype == torch.uint8 and rope is not None:
         scale = _k_scale(k_scale, layout.num_layers)
     elif k_scale is not None and layout.storage_dtype != torch.uint8:
         raise LayoutError("k_scale: only meaningful for fp8 (uint8) caches")
     return items, cache_views, device, scale
+
+
+def _check_values(items: list[_Item], layout: KVLayout, rope, *, check_duplicates: bool) -> None:
+    """Range checks of slots and positions and the no-duplicate-slot rule, computed where the
+    indices live and read back with one synchronisation; details only on failure."""
+    n, S = len(items), layout.num_slots
+    flags = []
+    for it in items:
+        valid = it.slots >= 0
+        flags.append(((it.slots < -1) | (it.slots >= S)).any())
+        if rope is not None:
+            P = rope.num_positions
+            flags.append((((it.old < 0) | (it.old >= P)) & valid).any())
+            flags.append((((it.new < 0) | (it.new >= P)) & valid).any())
+    by_cache: dict[tuple, list[torch.Tensor]] = {}
+    if check_duplicates:  # two writes to one slot of one cache would race
+        for it in items:
+            by_cache.setdefault(it.cache_key, []).append(it.slots)
+        for parts in by_cache.values():
+            allslots = torch.cat(parts)
+            counts = torch.bincount(allslots.clamp(-1, S - 1) + 1, minlength=S + 1)[1:]
+            flags.append(counts.max() > 1 if counts.numel() else torch.zeros((), dtype=torch.bool))
+    if not flags or not bool(torch.stack(flags).any()):
+        return
+    for i, it in enumerate(items):  # failure: find the first offending argument and describe it
+        sfx = "" if n == 1 else f"[{i}]"
+        sl = it.slots.cpu()
+        if sl.numel() and (int(sl.min()) < -1 or int(sl.max()) >= S):
+            raise LayoutError(f"slots{sfx}: expected values in [-1, {S}) (num_blocks x block_size = "
+                              f"{layout.num_blocks} x {layout.block_size}), got range [{int(sl.min())}, {int(sl.max())}]")
+        if rope is not None:
+            rope.check_positions("old_positions" + sfx, it.old.cpu()[sl >= 0])
+            rope.check_positions("new_positions" + sfx, it.new.cpu()[sl >= 0])
+    raise LayoutError("slots: the same destination slot appears more than once for one cache")
 
 
 def _k_scale(k_scale, L: int) -> torch.Tensor:
@@ -248,36 +270,44 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     for c in counts:
         starts.append(starts[-1] + c)
     total = starts[-1]
-    tok_item = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(counts, dtype=torch.int64))
-    slots = torch.cat([it.slots for it in items]) if items else torch.zeros(0, dtype=torch.int64)
-    if rope is not None:
-        old = torch.cat([it.old for it in items])
-        new = torch.cat([it.new for it in items])
-    else:
-        old = new = torch.zeros(1, dtype=torch.int64)
 
     def u64(vals):  # addresses as int64 bit patterns
         return torch.tensor([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=torch.int64)
 
     st = layout.k_strides
     vt = layout.v_strides
-    parts = {
+    host_parts = {
         "kv_ptrs": u64([it.kv.data_ptr() for it in items]),
         "item_tok_start": torch.tensor(starts, dtype=torch.int64),
-        "tok_item": tok_item.to(torch.int64),
-        "slots": slots, "old_pos": old, "new_pos": new,
         "layer_base": u64(layer_base),
         "item_cache": torch.tensor([keys.index(it.cache_key) for it in items], dtype=torch.int64),
         "k_st": torch.tensor([st[1], st[2], st[3], st[4], layout.k_offset], dtype=torch.int64),
         "v_st": torch.tensor([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=torch.int64),
     }
-    host = torch.cat(list(parts.values()))
-    dev = host.to(device)
+    dev = torch.cat(list(host_parts.values())).to(device)  # one small upload
     out, pos = {}, 0
-    for name, t in parts.items():
+    for name, t in host_parts.items():
         out[name] = dev[pos:pos + t.numel()]
         pos += t.numel()
+    # per-token tables stay on the device where the indices already are
+    out["slots"] = torch.cat([it.slots for it in items])
+    if rope is not None:
+        out["old_pos"] = torch.cat([it.old for it in items])
+        out["new_pos"] = torch.cat([it.new for it in items])
+    else:
+        out["old_pos"] = out["new_pos"] = out["slots"]  # unread without rope
+    out["tok_item"] = torch.repeat_interleave(torch.arange(len(items), device=device),
+                                              torch.tensor(counts, dtype=torch.int64).to(device), output_size=total)
     out["total"] = total
+    # 16-byte vector copies are safe when every base, stride and head run is 16-byte aligned
+    align = [it.kv.data_ptr() for it in items] + layer_base
+    align += [x * itemsize for x in (st[1], st[2], st[3], vt[1], vt[2], vt[3], layout.k_offset, layout.v_offset)]
+    align.append(layout.head_size * itemsize)
+    out["vec16"] = st[4] == 1 and vt[4] == 1 and all(a % 16 == 0 for a in align)
+    # 4-element vectors (kmesh_place_vec): D and rd multiples of 8, everything aligned to 4 elements
+    rd_ok = rope is None or rope.rotary_dim % 8 == 0
+    out["vec4"] = (st[4] == 1 and vt[4] == 1 and layout.head_size % 8 == 0 and rd_ok
+                   and all(a % (4 * itemsize) == 0 for a in align))
     dstr = str(device)
     out["cos_sin"] = rope.cos_sin_fp32(device) if rope is not None else _ones(1, dstr)
     out["fp8_table"] = _fp8_table(dstr)
@@ -291,7 +321,7 @@ def _ones(n: int, device: str) -> torch.Tensor:
 
 
 _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
-               torch.uint8: "uint8_t"}
+               torch.uint8: "unsigned char"}
 
 
 def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -> None:
@@ -300,49 +330,100 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     from ._jit import get_kernel
 
     dev_id = device.index if device.index is not None else torch.cuda.current_device()
-    names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values())
-    kernel = get_kernel("place.cu", f"kmesh_place<{_CUDA_TYPES[layout.storage_dtype]}>", device_id=dev_id,
+    vec = tables["vec4"]
+    kname = "kmesh_place_vec" if vec else "kmesh_place"
+    names = tuple(f"{k}<{t}>" for k in ("kmesh_place", "kmesh_place_vec") for t in _CUDA_TYPES.values())
+    kernel = get_kernel("place.cu", f"{kname}<{_CUDA_TYPES[layout.storage_dtype]}>", device_id=dev_id,
                         name_expressions=names)
     L, _, H, N, D = layout.sizes
-    total_work = 2 * L * tables["total"] * H * (D // 2)
-    if total_work == 0:
+    rows = 2 * L * tables["total"]
+    if rows == 0:
         return
-    threads = 256
-    blocks = min((total_work + threads - 1) // threads, 132 * 32)
+    if vec:  # one lane per 8 elements of a row; several rows per 256-thread block
+        lanes = min(H * D // 8, 256)
+    else:  # one lane per element pair (or 16-byte vector), a warp at least
+        lanes = 32
+        while lanes < 128 and lanes < H * (D // 2):
+            lanes *= 2
+    rows_per_block = max(1, 256 // lanes)
+    blocks = min((rows + rows_per_block - 1) // rows_per_block, 132 * 16)
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
 
     def p(t):
         return t.data_ptr()
 
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with cupy.cuda.Device(dev_id), cupy.cuda.ExternalStream(stream):
-        kernel((blocks,), (threads,), (
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
+    with cupy.cuda.Device(dev_id), stream:
+        kernel((blocks,), (lanes, rows_per_block), (
             p(tables["kv_ptrs"]), p(tables["item_tok_start"]), p(tables["tok_item"]), p(tables["slots"]),
             p(tables["old_pos"]), p(tables["new_pos"]), p(tables["layer_base"]), p(tables["item_cache"]),
-            p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N), cupy.int64(tables["total"]),
-            cupy.int32(int(gather)), cupy.int32(int(rope is not None)), cupy.int32(neox), cupy.int32(rd),
+            p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N),
+            cupy.int64(tables["total"]), cupy.int32(int(gather)), cupy.int32(int(rope is not None)),
+            cupy.int32(neox), cupy.int32(rd)) + (() if vec else (cupy.int32(int(tables["vec16"])),)) + (
             p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]),
         ))
 
 
-def _run(items, cache_views, layout, device, rope, scale, backend: str, *, gather: bool) -> None:
-    chosen = _backend.choose(backend, device)
-    if not items or sum(it.kv.shape[2] for it in items) == 0:
-        return
-    if chosen == "torch":
-        _torch_run(items, cache_views, layout, rope, scale, gather=gather)
-        return
-    tables = _tables(items, cache_views, layout, rope, scale, device)
-    if chosen == "cupy":
-        _cupy_run(tables, layout, device, gather=gather, rope=rope)
-        return
-    from . import _place_warp
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, dev_id: int):
+    """CuPy's view of torch's current stream (cached: creating one per launch costs microseconds)."""
+    import warnings
 
-    L, _, H, N, D = layout.sizes
-    _place_warp.launch(tables, layout.storage_dtype, device, L=L, H=H, D=D, N=N, total_tokens=tables["total"],
-                       gather=gather, rope=rope is not None, neox=bool(rope and rope.is_neox_style),
-                       rd=rope.rotary_dim if rope is not None else 0)
+    import cupy
+
+    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but is the raw-handle form
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, dev_id)
+
+
+class _Launch:
+    """A validated placement with its tables uploaded; ``run()`` submits the one launch.
+
+    Benchmarks time ``run()`` alone to separate the kernel from validation and table building.
+    """
+
+    def __init__(self, items, cache_views, layout, device, rope, scale, backend: str, *, gather: bool):
+        self.items, self.views, self.layout, self.device = items, cache_views, layout, device
+        self.rope, self.scale, self.gather = rope, scale, gather
+        self.backend = _backend.choose(backend, device)
+        self.empty = not items or sum(it.kv.shape[2] for it in items) == 0
+        self.tables = None
+        if not self.empty and self.backend != "torch":
+            self.tables = _tables(items, cache_views, layout, rope, scale, device)
+
+    def run(self) -> None:
+        if self.empty:
+            return
+        if self.backend == "torch":
+            _torch_run(self.items, self.views, self.layout, self.rope, self.scale, gather=self.gather)
+        elif self.backend == "cupy":
+            _cupy_run(self.tables, self.layout, self.device, gather=self.gather, rope=self.rope)
+        else:
+            from . import _place_warp
+
+            L, _, H, N, D = self.layout.sizes
+            rope = self.rope
+            _place_warp.launch(self.tables, self.layout.storage_dtype, self.device, L=L, H=H, D=D, N=N,
+                               total_tokens=self.tables["total"], gather=self.gather, rope=rope is not None,
+                               neox=bool(rope and rope.is_neox_style), rd=rope.rotary_dim if rope else 0)
+
+
+def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_positions=None, new_positions=None,
+                       k_scale=None, backend: str = "auto") -> _Launch:
+    """Validate and build the launch of :func:`place_many` without running it (``.run()`` does)."""
+    n = len(kvs)
+    if isinstance(caches, torch.Tensor):
+        caches = [caches] * n
+    caches = list(caches)
+    if len(caches) != n or len(slots) != n:
+        raise LayoutError(f"caches/slots: expected {n} entries like kvs, got {len(caches)} and {len(slots)}")
+    if rope is not None and (old_positions is None or new_positions is None
+                             or len(old_positions) != n or len(new_positions) != n):
+        raise LayoutError(f"old_positions/new_positions: expected {n} entries each when rope is given")
+    items, views, device, scale = _prepare(list(kvs), caches, layout, list(slots), rope, old_positions,
+                                           new_positions, k_scale, gather=False)
+    return _Launch(items, views, layout, device, rope, scale, backend, gather=False)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -370,7 +451,7 @@ def place(kv: torch.Tensor, cache, layout: KVLayout, slots: torch.Tensor, *, rop
     items, views, device, scale = _prepare([kv], [cache], layout, [slots], rope,
                                            None if old_positions is None else [old_positions],
                                            None if new_positions is None else [new_positions], k_scale, gather=False)
-    _run(items, views, layout, device, rope, scale, backend, gather=False)
+    _Launch(items, views, layout, device, rope, scale, backend, gather=False).run()
 
 
 def place_many(kvs: Sequence[torch.Tensor], caches, layout: KVLayout, slots: Sequence[torch.Tensor], *,
@@ -383,18 +464,8 @@ def place_many(kvs: Sequence[torch.Tensor], caches, layout: KVLayout, slots: Seq
     tensors stay where they are (a table of their addresses is passed), so nothing is concatenated.
     Slots must be distinct within each cache.
     """
-    n = len(kvs)
-    if isinstance(caches, torch.Tensor):
-        caches = [caches] * n
-    caches = list(caches)
-    if len(caches) != n or len(slots) != n:
-        raise LayoutError(f"caches/slots: expected {n} entries like kvs, got {len(caches)} and {len(slots)}")
-    if rope is not None and (old_positions is None or new_positions is None
-                             or len(old_positions) != n or len(new_positions) != n):
-        raise LayoutError(f"old_positions/new_positions: expected {n} entries each when rope is given")
-    items, views, device, scale = _prepare(list(kvs), caches, layout, list(slots), rope, old_positions,
-                                           new_positions, k_scale, gather=False)
-    _run(items, views, layout, device, rope, scale, backend, gather=False)
+    prepare_place_many(kvs, caches, layout, slots, rope=rope, old_positions=old_positions,
+                       new_positions=new_positions, k_scale=k_scale, backend=backend).run()
 
 
 def gather(cache, layout: KVLayout, slots: torch.Tensor, *, backend: str = "auto",
@@ -413,5 +484,5 @@ def gather(cache, layout: KVLayout, slots: torch.Tensor, *, backend: str = "auto
     if out is None:
         out = torch.zeros((2, L, T, H, D), dtype=layout.dtype, device=device)
     items, views, device, _ = _prepare([out], [cache], layout, [slots], None, None, None, None, gather=True)
-    _run(items, views, layout, device, None, None, backend, gather=True)
+    _Launch(items, views, layout, device, None, None, backend, gather=True).run()
     return out

@@ -1,10 +1,14 @@
 // Placement of saved KV segments into paged caches (and the reverse, gather), with the RoPE shift of K.
 //
-// One launch covers many items (segment -> cache), all layers, K and V. Work unit: one pair of
-// head-dim elements (kv, layer, token, head, j), j < D/2. With `rope` on, K pairs j < rd/2 are
-// (j, j+rd/2) [neox] or (2j, 2j+1) [GPT-J] and are moved from old to new position in fp32 with a
-// fixed operation order (__fmul_rn/__fadd_rn: no contraction) and one rounding; every other pair is
-// (2j, 2j+1), copied bit for bit.
+// One launch covers many items (segment -> cache), all layers, K and V. A *row* is one
+// (kv, layer, token): H*D contiguous source elements that land in H runs of D elements in the cache.
+// Each row is handled by `threadIdx.x` lanes of one block row (`threadIdx.y`); per-row index math is
+// done once, per-element math in 32 bits.
+//
+// K rows with `rope` on move pairs j < rd/2 — (j, j+rd/2) [neox] or (2j, 2j+1) [GPT-J] — from the old
+// to the new position in fp32 with a fixed operation order (__fmul_rn/__fadd_rn: no contraction) and
+// one rounding; every other element is copied bit for bit, 16 bytes at a time when `vec16` says that
+// every address and stride involved is 16-byte aligned and the cache's d stride is 1.
 #include "common.cuh"
 
 using kmesh::Elem;
@@ -36,42 +40,167 @@ __global__ void kmesh_place(
     const long long* __restrict__ k_st,                  // [5] K strides (block, head, token, d) + offset
     const long long* __restrict__ v_st,                  // [5] V likewise
     long long L, long long H, long long D, long long N, long long T_total,
-    int gather, int rope, int neox, int rd,
+    int gather, int rope, int neox, int rd, int vec16,
     const float* __restrict__ cos_sin,                   // [positions, rd] fp32 (model-dtype values)
     const float* __restrict__ fp8_table,                 // [256] (fp8 only)
-    const float* __restrict__ k_scale)                   // [L]   (fp8 only)
+    const float* __restrict__ k_scale)                   // [L]
 {
-    const long long ks[5] = {k_st[0], k_st[1], k_st[2], k_st[3], k_st[4]};
-    const long long vs[5] = {v_st[0], v_st[1], v_st[2], v_st[3], v_st[4]};
-    const long long half_d = D >> 1;
-    const long long total = 2 * L * T_total * H * half_d;
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        long long r = idx;
-        const long long j = r % half_d;  r /= half_d;
-        const long long h = r % H;       r /= H;
-        const long long g = r % T_total; r /= T_total;
-        const long long l = r % L;
-        const int kvsel = (int)(r / L);
+    const long long rows = 2 * L * T_total;
+    const int HD = (int)(H * D);
+    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
+         row += (long long)gridDim.x * blockDim.y) {
+        const long long g = row % T_total;
+        const long long lk = row / T_total;          // kvsel * L + l
+        const long long l = lk % L;
+        const int kvsel = (int)(lk / L);
         const long long slot = slots[g];
         if (slot < 0) continue;
         const long long item = tok_item[g];
         const long long t = g - item_tok_start[item];
         const long long T_i = item_tok_start[item + 1] - item_tok_start[item];
-        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + (((kvsel * L + l) * T_i + t) * H + h) * D;
-        const long long* s = kvsel ? vs : ks;
-        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l])
-                 + s[4] + (slot / N) * s[0] + h * s[1] + (slot % N) * s[2];
-        const bool rotate = rope && !gather && kvsel == 0 && j < (rd >> 1);
-        long long e0 = 2 * j, e1 = 2 * j + 1;
-        if (rotate && neox) { e0 = j; e1 = j + (rd >> 1); }
-        T* c0 = dst + e0 * s[3];
-        T* c1 = dst + e1 * s[3];
-        if (gather) { src[e0] = *c0; src[e1] = *c1; continue; }
-        if (!rotate) { *c0 = src[e0]; *c1 = src[e1]; continue; }
-        const float scale = k_scale ? k_scale[l] : 1.0f;
-        const float x0 = Elem<T>::load(src + e0, fp8_table, scale);
-        const float x1 = Elem<T>::load(src + e1, fp8_table, scale);
-        shift_pair<T>(c0, c1, x0, x1, cos_sin, rd, old_pos[g], new_pos[g], (int)j, scale);
+        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + ((kvsel * L + l) * T_i + t) * HD;
+        const long long* s = kvsel ? v_st : k_st;
+        const long long s_head = s[1], s_d = s[3];
+        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l]) + s[4] + (slot / N) * s[0]
+                 + (slot % N) * s[2];
+        const bool rotate = rope && !gather && kvsel == 0;
+        const int Di = (int)D;
+        if (!rotate && vec16) {
+            // 16-byte copies: D*sizeof(T) is a multiple of 16, d stride 1, all bases aligned.
+            const int per_head = Di * (int)sizeof(T) / 16;
+            for (int p = threadIdx.x; p < (int)H * per_head; p += blockDim.x) {
+                const int h = p / per_head, q = p - h * per_head;
+                uint4* a = reinterpret_cast<uint4*>(src + h * Di) + q;
+                uint4* b = reinterpret_cast<uint4*>(dst + h * s_head) + q;
+                if (gather) *a = *b; else *b = *a;
+            }
+            continue;
+        }
+        const int half_d = Di >> 1, half_rd = rd >> 1;
+        const float scale = k_scale[l];
+        const long long po = rotate ? old_pos[g] : 0, pn = rotate ? new_pos[g] : 0;
+        for (int p = threadIdx.x; p < (int)H * half_d; p += blockDim.x) {
+            const int h = p / half_d, j = p - h * half_d;
+            const bool pair_rot = rotate && j < half_rd;
+            int e0 = 2 * j, e1 = 2 * j + 1;
+            if (pair_rot && neox) { e0 = j; e1 = j + half_rd; }
+            T* a0 = src + h * Di + e0;
+            T* a1 = src + h * Di + e1;
+            T* c0 = dst + h * s_head + e0 * s_d;
+            T* c1 = dst + h * s_head + e1 * s_d;
+            if (gather) { *a0 = *c0; *a1 = *c1; continue; }
+            if (!pair_rot) { *c0 = *a0; *c1 = *a1; continue; }
+            const float x0 = Elem<T>::load(a0, fp8_table, scale);
+            const float x1 = Elem<T>::load(a1, fp8_table, scale);
+            shift_pair<T>(c0, c1, x0, x1, cos_sin, rd, po, pn, j, scale);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Vectorised variant: each lane moves 8 consecutive elements of one head as two 4-element vectors.
+// Preconditions (checked on the host): D % 8 == 0, rd % 8 == 0, d stride 1 for K and V, and every
+// base, stride and head run aligned to 4 * sizeof(T) bytes. Lane c of a head covers elements
+// [8c, 8c+8); with the shift on, lanes c < rd/8 of K rows rotate 4 pairs each:
+//   neox : pairs (4c+i, 4c+i+rd/2), i < 4 — two vectors rd/2 apart;
+//   GPT-J: pairs (8c+2i, 8c+2i+1)      — two adjacent vectors.
+template <typename T> struct Vec4;
+template <> struct Vec4<float> { typedef uint4 type; };
+template <> struct Vec4<__half> { typedef uint2 type; };
+template <> struct Vec4<__nv_bfloat16> { typedef uint2 type; };
+template <> struct Vec4<unsigned char> { typedef unsigned int type; };
+
+template <typename T>
+__device__ __forceinline__ void rotate4(T* out0, T* out1, const T* in0, const T* in1, const float* cs, int rd,
+                                        long long po, long long pn, int i0, int istep, float scale,
+                                        const float* fp8_table) {
+    // pair k is (in0[k], in1[k]) with rotation index i0 + k * istep; one rounding per output.
+    const int half = rd >> 1;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int i = i0 + k * istep;
+        const float x0 = Elem<T>::load(in0 + k, fp8_table, scale);
+        const float x1 = Elem<T>::load(in1 + k, fp8_table, scale);
+        const float c0 = cs[po * rd + i], s0 = cs[po * rd + half + i];
+        const float c1 = cs[pn * rd + i], s1 = cs[pn * rd + half + i];
+        const float u0 = __fadd_rn(__fmul_rn(x0, c0), __fmul_rn(x1, s0));
+        const float u1 = __fsub_rn(__fmul_rn(x1, c0), __fmul_rn(x0, s0));
+        Elem<T>::store(out0 + k, __fsub_rn(__fmul_rn(u0, c1), __fmul_rn(u1, s1)), scale);
+        Elem<T>::store(out1 + k, __fadd_rn(__fmul_rn(u1, c1), __fmul_rn(u0, s1)), scale);
+    }
+}
+
+template <typename T>
+__global__ void kmesh_place_vec(
+    const unsigned long long* __restrict__ kv_ptrs, const long long* __restrict__ item_tok_start,
+    const long long* __restrict__ tok_item, const long long* __restrict__ slots,
+    const long long* __restrict__ old_pos, const long long* __restrict__ new_pos,
+    const unsigned long long* __restrict__ layer_base, const long long* __restrict__ item_cache,
+    const long long* __restrict__ k_st, const long long* __restrict__ v_st,
+    long long L, long long H, long long D, long long N, long long T_total,
+    int gather, int rope, int neox, int rd,
+    const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
+{
+    typedef typename Vec4<T>::type V4;
+    const long long rows = 2 * L * T_total;
+    const int Di = (int)D, lanes_per_head = Di >> 3, lanes_per_row = (int)H * lanes_per_head;
+    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
+         row += (long long)gridDim.x * blockDim.y) {
+        const long long g = row % T_total;
+        const long long lk = row / T_total;
+        const long long l = lk % L;
+        const int kvsel = (int)(lk / L);
+        const long long slot = slots[g];
+        if (slot < 0) continue;
+        const long long item = tok_item[g];
+        const long long t = g - item_tok_start[item];
+        const long long T_i = item_tok_start[item + 1] - item_tok_start[item];
+        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + ((kvsel * L + l) * T_i + t) * (H * D);
+        const long long* s = kvsel ? v_st : k_st;
+        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l]) + s[4] + (slot / N) * s[0]
+                 + (slot % N) * s[2];
+        const long long s_head = s[1];
+        const bool rotate = rope && !gather && kvsel == 0;
+        const float scale = k_scale[l];
+        const long long po = rotate ? old_pos[g] : 0, pn = rotate ? new_pos[g] : 0;
+        for (int p = threadIdx.x; p < lanes_per_row; p += blockDim.x) {
+            const int h = p / lanes_per_head, c = p - h * lanes_per_head;
+            T* a = src + h * Di;
+            T* b = dst + h * s_head;
+            if (!(rotate && c < (rd >> 3))) {  // plain copy of elements [8c, 8c+8)
+                V4* va = reinterpret_cast<V4*>(a + 8 * c);
+                V4* vb = reinterpret_cast<V4*>(b + 8 * c);
+                if (gather) { va[0] = vb[0]; va[1] = vb[1]; } else { vb[0] = va[0]; vb[1] = va[1]; }
+                continue;
+            }
+            V4 in0, in1, out0, out1;
+            const int e0 = neox ? 4 * c : 8 * c;
+            const int e1 = neox ? 4 * c + (rd >> 1) : 8 * c + 4;
+            in0 = *reinterpret_cast<const V4*>(a + e0);
+            in1 = *reinterpret_cast<const V4*>(a + e1);
+            const T* x0 = reinterpret_cast<const T*>(&in0);
+            const T* x1 = reinterpret_cast<const T*>(&in1);
+            T* y0 = reinterpret_cast<T*>(&out0);
+            T* y1 = reinterpret_cast<T*>(&out1);
+            if (neox) {
+                rotate4<T>(y0, y1, x0, x1, cos_sin, rd, po, pn, 4 * c, 1, scale, fp8_table);
+            } else {
+                // GPT-J: pairs are adjacent elements; regroup the 8 elements into 4 (even, odd) pairs
+                T ev[4], od[4], ye[4], yo[4];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    ev[k] = x0[2 * k]; od[k] = x0[2 * k + 1];
+                    ev[k + 2] = x1[2 * k]; od[k + 2] = x1[2 * k + 1];
+                }
+                rotate4<T>(ye, yo, ev, od, cos_sin, rd, po, pn, 4 * c, 1, scale, fp8_table);
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    y0[2 * k] = ye[k]; y0[2 * k + 1] = yo[k];
+                    y1[2 * k] = ye[k + 2]; y1[2 * k + 1] = yo[k + 2];
+                }
+            }
+            *reinterpret_cast<V4*>(b + e0) = out0;
+            *reinterpret_cast<V4*>(b + e1) = out1;
+        }
     }
 }
