@@ -2,7 +2,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include <stdint.h>
+
 
 namespace kmesh {
 
@@ -25,32 +25,32 @@ template <> struct Elem<__nv_bfloat16> {
 };
 
 // fp8 e4m3 (OCP "fn" variant: no infinities, 0x7f/0xff NaN, max 448) held as uint8 bits.
-__device__ __forceinline__ uint8_t fp8_e4m3_encode(float x) {
-    uint32_t bits = __float_as_uint(x);
-    uint32_t sign = (bits >> 24) & 0x80u;
+__device__ __forceinline__ unsigned char fp8_e4m3_encode(float x) {
+    unsigned int bits = __float_as_uint(x);
+    unsigned int sign = (bits >> 24) & 0x80u;
     float a = fabsf(x);
-    if (a != a) return (uint8_t)(sign | 0x7fu);
-    if (a >= 448.0f) return (uint8_t)(sign | 0x7eu);         // saturate (the caller clamps too)
+    if (a != a) return (unsigned char)(sign | 0x7fu);
+    if (a >= 448.0f) return (unsigned char)(sign | 0x7eu);         // saturate (the caller clamps too)
     if (a < 0.015625f) {                                      // below 2^-6: subnormal step 2^-9
         float m = rintf(__fmul_rn(a, 512.0f));                // exact scaling, round half even
-        return (uint8_t)(sign | (uint32_t)m);
+        return (unsigned char)(sign | (unsigned int)m);
     }
-    uint32_t ab = bits & 0x7fffffffu;
-    uint32_t exp = (ab >> 23) - 127u + 7u;                    // biased e4m3 exponent, 1..15
-    uint32_t man = ab & 0x7fffffu;
-    uint32_t keep = man >> 20, rem = man & 0xfffffu;
-    uint32_t q = (exp << 3) | keep;
+    unsigned int ab = bits & 0x7fffffffu;
+    unsigned int exp = (ab >> 23) - 127u + 7u;                    // biased e4m3 exponent, 1..15
+    unsigned int man = ab & 0x7fffffu;
+    unsigned int keep = man >> 20, rem = man & 0xfffffu;
+    unsigned int q = (exp << 3) | keep;
     if (rem > 0x80000u || (rem == 0x80000u && (keep & 1u))) q += 1u;
     if (q > 0x7eu) q = 0x7eu;
-    return (uint8_t)(sign | q);
+    return (unsigned char)(sign | q);
 }
 
-template <> struct Elem<uint8_t> {
+template <> struct Elem<unsigned char> {
     // fp8 e4m3: decode through a 256-entry fp32 table, then the per-tensor scale.
-    static __device__ __forceinline__ float load(const uint8_t* p, const float* table, float scale) {
+    static __device__ __forceinline__ float load(const unsigned char* p, const float* table, float scale) {
         return __fmul_rn(table[*p], scale);
     }
-    static __device__ __forceinline__ void store(uint8_t* p, float x, float scale) {
+    static __device__ __forceinline__ void store(unsigned char* p, float x, float scale) {
         float y = __fdiv_rn(x, scale);
         y = fminf(fmaxf(y, -448.0f), 448.0f);
         *p = fp8_e4m3_encode(y);

@@ -14,7 +14,7 @@ def backends_for(device: str) -> list[str]:
     """Backends that can run on ``device``; cupy only where it is installed with a device."""
     if device == "cpu":
         return ["torch", "warp"]
-    out = ["torch", "warp"]
+    out = ["torch"] + (["warp"] if _backend.has_warp() else [])
     if _backend.has_cupy():
         out.append("cupy")
     return out
