@@ -1,0 +1,532 @@
+"""Batched SHA-256 and the kmesh-tree-sha256/v1 digest on the device where the bytes are.
+
+Public functions (DESIGN §3; the format is specified in docs/tree-sha256.md):
+
+- :func:`sha256_batched` — many independent messages per launch, equal to ``hashlib.sha256``.
+- :func:`tree_digests` — kmesh-tree-sha256/v1 roots of many objects: one batched launch per tree
+  level for all objects at once, then one launch for the root records; equal to
+  ``kmesh_host.tree_digest``.
+- :func:`verify_tree_roots` — checks restored objects where they landed against stored roots and
+  raises :class:`IntegrityError` naming the first bad object (only 32 bytes per object come back).
+
+Backends: ``"cupy"`` (CUDA, ``csrc/sha256.cu``: the fast path), ``"warp"`` (CPU and CUDA, the same
+kernel logic; how CI checks it on CPU), ``"host"`` (hashlib on the CPU, the reference; ``"torch"`` is
+accepted as its other name, as elsewhere in ``kmesh_gpu`` the reference backend is called).
+``"auto"`` picks cupy for CUDA tensors when CuPy has a device, else warp, and host for CPU tensors.
+
+Launches go to torch's current stream on the data's device, so they are ordered after the copies
+that produced the data; the returned digests are ready for any later work on that stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+import warnings
+
+import numpy as np
+import torch
+
+from . import _backend
+from .errors import BackendError, IntegrityError, LayoutError
+
+TREE_FORMAT = "kmesh-tree-sha256/v1"
+TREE_DOMAIN = b"kmesh-tree-sha256/v1\x00"
+DEFAULT_LEAF_SIZE = 4096
+DEFAULT_FANOUT = 64
+# Parameter ranges every v1 implementation accepts (docs/tree-sha256.md §Parameters).
+MAX_LEAF_SIZE = 1 << 30
+MAX_FANOUT = 1 << 24
+
+BACKENDS = ("host", "warp", "cupy")
+_ROOT_HEADER = len(TREE_DOMAIN) + 8 + 4 + 4          # bytes before the top digest in a root record
+_ROOT_RECORD = 128                                   # root records sit 128 bytes apart (aligned)
+_THREADS = 128                                       # SHA256_THREADS in csrc/sha256.cu
+_WARP_MAX_BYTES = (1 << 31) - 1                      # Warp indexes arrays with int32
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters and arguments
+# ----------------------------------------------------------------------------------------------
+
+def check_tree_params(leaf_size, fanout) -> None:
+    """Raise :class:`IntegrityError` unless (leaf_size, fanout) are valid v1 parameters."""
+    if type(leaf_size) is not int or not 64 <= leaf_size <= MAX_LEAF_SIZE or leaf_size % 64:
+        raise IntegrityError(f"{TREE_FORMAT}: leaf_size must be a multiple of 64 in "
+                             f"[64, {MAX_LEAF_SIZE}], got {leaf_size!r}")
+    if type(fanout) is not int or not 2 <= fanout <= MAX_FANOUT:
+        raise IntegrityError(f"{TREE_FORMAT}: fanout must be an integer in [2, {MAX_FANOUT}], "
+                             f"got {fanout!r}")
+
+
+def root_header(length: int, leaf_size: int, fanout: int) -> bytes:
+    """The 37 bytes that precede the top digest in the root record (DESIGN §3 step 3)."""
+    return TREE_DOMAIN + struct.pack("<QII", length, leaf_size, fanout)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)} on {x.device}"
+    if isinstance(x, np.ndarray):
+        return f"numpy {x.dtype}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _as_data(data) -> torch.Tensor:
+    """``data`` as a contiguous 1-D torch uint8 tensor (numpy and bytes-like are viewed, not copied)."""
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise LayoutError(f"data: expected uint8[M], got {_describe(data)}")
+        if not data.is_contiguous():
+            raise LayoutError(f"data: expected a contiguous uint8[M] tensor, got stride {data.stride()}")
+        return data
+    if not isinstance(data, np.ndarray):
+        try:
+            data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        except TypeError:
+            raise LayoutError(f"data: expected a uint8[M] torch tensor, numpy array or bytes-like, "
+                              f"got {_describe(data)}") from None
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise LayoutError(f"data: expected uint8[M], got {_describe(data)}")
+    if not data.flags.c_contiguous:
+        raise LayoutError("data: expected a contiguous uint8[M] array")
+    with warnings.catch_warnings():                  # read-only buffers: we never write to data
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def _as_index(x, name: str) -> np.ndarray:
+    """``x`` (torch or numpy int64[N], any device; or a sequence of ints) as a host int64 array."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.int64 or x.dim() != 1:
+            raise LayoutError(f"{name}: expected int64[N], got {_describe(x)}")
+        return x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.int64 or x.ndim != 1:
+            raise LayoutError(f"{name}: expected int64[N], got {_describe(x)}")
+        return x
+    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        return np.asarray(x, dtype=np.int64).reshape(-1)
+    raise LayoutError(f"{name}: expected int64[N] (torch, numpy or a list of ints), got {_describe(x)}")
+
+
+def _messages(data, offsets, lengths) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    t = _as_data(data)
+    offs = _as_index(offsets, "offsets")
+    lens = _as_index(lengths, "lengths")
+    if offs.shape != lens.shape:
+        raise LayoutError(f"offsets and lengths: expected the same shape, got int64{list(offs.shape)} "
+                          f"and int64{list(lens.shape)}")
+    size = t.numel()
+    if offs.size:
+        if int(offs.min()) < 0:
+            i = int(np.argmin(offs))
+            raise LayoutError(f"offsets: expected >= 0, got offsets[{i}] = {int(offs[i])}")
+        if int(lens.min()) < 0:
+            i = int(np.argmin(lens))
+            raise LayoutError(f"lengths: expected >= 0, got lengths[{i}] = {int(lens[i])}")
+        over = np.nonzero(offs > size - lens)[0]     # offs + lens > size, without int64 overflow
+        if over.size:
+            i = int(over[0])
+            raise LayoutError(f"offsets/lengths: message {i} = data[{int(offs[i])}:"
+                              f"{int(offs[i]) + int(lens[i])}] runs past the end of data (M={size})")
+    return t, np.ascontiguousarray(offs), np.ascontiguousarray(lens)
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend == "torch":
+        backend = "host"
+    if backend == "auto":
+        if device.type == "cuda":
+            if _backend.has_cupy():
+                return "cupy"
+            return "warp" if _backend.has_warp() else "host"
+        return "host"
+    if backend not in BACKENDS:
+        raise BackendError(f"backend: expected one of {BACKENDS + ('auto',)}, got {backend!r}")
+    if backend == "cupy":
+        if device.type != "cuda":
+            raise BackendError(f"backend 'cupy' needs CUDA tensors, got data on {device}")
+        if not _backend.has_cupy():
+            raise BackendError("backend 'cupy' requested but cupy (with a CUDA device) is unavailable")
+    if backend == "warp":
+        if not _backend.has_warp():
+            raise BackendError("backend 'warp' requested but the warp-lang package is not installed")
+    if device.type not in ("cpu", "cuda"):
+        raise BackendError(f"sha256: unsupported device {device}")
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree plan: every level of every object as a few int64 columns, built once on the host
+# ----------------------------------------------------------------------------------------------
+
+class _Level:
+    """One launch: ``n_msgs`` messages of ``n_obj`` objects, columns at ``table[table_at:]``."""
+
+    __slots__ = ("piece", "from_data", "n_obj", "n_msgs", "table_at", "starts", "src_off",
+                 "src_bytes", "out_off")
+
+    def __init__(self, piece, from_data, starts, src_off, src_bytes, out_off):
+        self.piece, self.from_data = piece, from_data
+        self.starts, self.src_off, self.src_bytes, self.out_off = starts, src_off, src_bytes, out_off
+        self.n_obj, self.n_msgs = len(src_off), int(starts[-1])
+        self.table_at = 0
+
+
+class _TreePlan:
+    """The device buffer of a tree computation and the launches over it.
+
+    Buffer (uint8, one allocation): ``[table | root records | digest regions]``. The first
+    ``upload_bytes`` (table and root records with their 37-byte headers) come from the host in one
+    copy; the digest regions are written by the launches. Offsets in the table that point into the
+    buffer are absolute (from its start); level 0 reads the payload (``from_data``).
+    """
+
+    __slots__ = ("levels", "root", "host_bytes", "total_bytes")
+
+    def __init__(self, levels, root, host_bytes, total_bytes):
+        self.levels, self.root = levels, root
+        self.host_bytes, self.total_bytes = host_bytes, total_bytes
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_plan(offsets: bytes, lengths: bytes, leaf_size: int, fanout: int) -> _TreePlan:
+    offs = np.frombuffer(offsets, dtype=np.int64)
+    lens = np.frombuffer(lengths, dtype=np.int64)
+    n = lens.size
+    # Pass 1, offsets relative to the workspace (root records, then one digest region per level).
+    # A level's digest goes to the root record when it is the object's only one (the top).
+    region = n * _ROOT_RECORD
+    obj = np.arange(n, dtype=np.int64)
+    src_off, src_bytes, piece, from_data = offs.copy(), lens.copy(), leaf_size, True
+    staged = []
+    while obj.size:
+        counts = np.maximum(1, -(-src_bytes // piece))
+        top = counts == 1
+        inner = np.where(top, 0, counts)
+        inner_start = np.cumsum(inner) - inner
+        out_off = np.where(top, obj * _ROOT_RECORD + _ROOT_HEADER, region + 32 * inner_start)
+        staged.append((piece, from_data, counts, src_off, src_bytes, out_off))
+        region += 32 * int(inner.sum())
+        keep = ~top
+        obj, src_off, src_bytes = obj[keep], out_off[keep], 32 * counts[keep]
+        piece, from_data = 32 * fanout, False
+    # Pass 2: the table in front of the workspace; absolute offsets into the buffer.
+    n_entries = sum(4 * len(s[2]) + 1 for s in staged) + 4 * n + 1
+    ws = _align(8 * n_entries, _ROOT_RECORD)
+    levels = []
+    for piece, from_data, counts, src_off, src_bytes, out_off in staged:
+        starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        levels.append(_Level(piece, from_data, starts, src_off if from_data else src_off + ws,
+                             src_bytes, out_off + ws))
+    ids = np.arange(n, dtype=np.int64)
+    root = _Level(_ROOT_RECORD, False, np.arange(n + 1, dtype=np.int64), ws + _ROOT_RECORD * ids,
+                  np.full(n, _ROOT_HEADER + 32, dtype=np.int64), 32 * ids)
+    table = np.zeros(ws // 8, dtype=np.int64)
+    at = 0
+    for lvl in levels + [root]:
+        lvl.table_at = at
+        for col in (lvl.starts, lvl.src_off, lvl.src_bytes, lvl.out_off):
+            table[at:at + col.size] = col
+            at += col.size
+    records = np.zeros((n, _ROOT_RECORD), dtype=np.uint8)
+    for i, length in enumerate(lens.tolist()):
+        records[i, :_ROOT_HEADER] = np.frombuffer(root_header(length, leaf_size, fanout), np.uint8)
+    host = np.concatenate((table.view(np.uint8), records.reshape(-1)))
+    host.setflags(write=False)
+    return _TreePlan(tuple(levels), root, host, ws + region)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().cpu().numpy())
+
+
+def _host_batched(t, offs, lens) -> np.ndarray:
+    view = _host_view(t)
+    out = np.empty((offs.size, 32), dtype=np.uint8)
+    for i, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
+        out[i] = np.frombuffer(hashlib.sha256(view[o:o + n]).digest(), np.uint8)
+    return out
+
+
+def _host_level(src: memoryview, lvl: _Level, out: np.ndarray) -> None:
+    h = hashlib.sha256
+    for o in range(lvl.n_obj):
+        base, size, dst = int(lvl.src_off[o]), int(lvl.src_bytes[o]), int(lvl.out_off[o])
+        for j in range(int(lvl.starts[o + 1] - lvl.starts[o])):
+            begin = j * lvl.piece
+            msg = src[base + begin:base + min(size, begin + lvl.piece)]
+            out[dst + 32 * j:dst + 32 * j + 32] = np.frombuffer(h(msg).digest(), np.uint8)
+
+
+def _host_tree(t, plan: _TreePlan) -> np.ndarray:
+    data = _host_view(t)
+    buf = np.zeros(plan.total_bytes, dtype=np.uint8)
+    buf[:plan.host_bytes.size] = plan.host_bytes
+    for lvl in plan.levels:
+        _host_level(data if lvl.from_data else memoryview(buf), lvl, buf)
+    out = np.empty(32 * plan.root.n_obj, dtype=np.uint8)
+    _host_level(memoryview(buf), plan.root, out)
+    return out.reshape(-1, 32)
+
+
+def _upload(host: np.ndarray, dst: torch.Tensor) -> None:
+    """Copy host bytes into the front of device buffer ``dst`` without a host-device sync."""
+    if host.size == 0:
+        return
+    staging = torch.empty(host.size, dtype=torch.uint8, pin_memory=True)
+    staging.numpy()[:] = host
+    dst[:host.size].copy_(staging, non_blocking=True)    # the caching host allocator keeps it alive
+
+
+def _nonempty(t: torch.Tensor) -> torch.Tensor:
+    # A zero-size tensor may have a null pointer; every message is then empty and nothing is read.
+    return t if t.numel() else torch.zeros(16, dtype=torch.uint8, device=t.device)
+
+
+class _CupyLauncher:
+    """Launches ``csrc/sha256.cu`` kernels on torch's current stream of the data's device."""
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        self.cupy = cupy
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream_ptr = torch.cuda.current_stream(self.index).cuda_stream
+
+    def __call__(self, kernel_name: str, n_threads: int, args: tuple) -> None:
+        if n_threads <= 0:
+            return
+        from ._jit import get_kernel
+
+        cupy = self.cupy
+        kernel = get_kernel("sha256.cu", kernel_name, device_id=self.index)
+        grid = (n_threads + _THREADS - 1) // _THREADS
+        with cupy.cuda.Device(self.index):
+            stream = cupy.cuda.ExternalStream(self.stream_ptr) if self.stream_ptr else cupy.cuda.Stream.null
+            with stream:
+                kernel((grid,), (_THREADS,), args)
+
+
+def _ptr(t: torch.Tensor, byte_offset: int = 0) -> np.uint64:
+    return np.uint64(t.data_ptr() + byte_offset)
+
+
+def _cupy_batched(t, offs, lens, out, kernel_name="kmesh_sha256_batched") -> None:
+    n = offs.size
+    index = torch.empty(2 * n, dtype=torch.int64, device=t.device)
+    _upload(np.concatenate((offs, lens)).view(np.uint8), index.view(torch.uint8))
+    data = _nonempty(t)
+    _CupyLauncher(t.device)(kernel_name, n, (_ptr(data), _ptr(index), _ptr(index, 8 * n), _ptr(out),
+                                             np.int64(n)))
+
+
+def _cupy_tree(t, plan: _TreePlan, out) -> None:
+    buf = torch.empty(plan.total_bytes, dtype=torch.uint8, device=t.device)
+    _upload(plan.host_bytes, buf)
+    launch = _CupyLauncher(t.device)
+    data = _nonempty(t)
+    for lvl in plan.levels:
+        src = data if lvl.from_data else buf
+        launch("kmesh_sha256_tree_level", lvl.n_msgs,
+               (_ptr(src), np.int64(lvl.piece), _ptr(buf, 8 * lvl.table_at), np.int64(lvl.n_obj),
+                np.int64(lvl.n_msgs), _ptr(buf)))
+    r = plan.root
+    launch("kmesh_sha256_tree_level", r.n_msgs,
+           (_ptr(buf), np.int64(r.piece), _ptr(buf, 8 * r.table_at), np.int64(r.n_obj),
+            np.int64(r.n_msgs), _ptr(out)))
+
+
+class _WarpLauncher:
+    """Runs the Warp kernels (``_sha256_warp``) on the data's device, on torch's current stream."""
+
+    def __init__(self, device: torch.device):
+        from . import _sha256_warp
+
+        self.k = _sha256_warp
+        self.wp = _sha256_warp.wp
+        self.device = _backend.warp_device(device)
+        self.stream = self.wp.stream_from_torch(device) if device.type == "cuda" else None
+        self.consts = (_sha256_warp.initial_state(), _sha256_warp.round_constants(self.device))
+
+    def array(self, t: torch.Tensor, dtype):
+        if t.numel() > _WARP_MAX_BYTES:
+            raise BackendError(f"backend 'warp' indexes with int32: {t.numel()} bytes is too large, "
+                               f"use backend 'cupy' or 'host'")
+        return self.wp.array(ptr=t.data_ptr(), shape=(t.numel(),), dtype=dtype, device=self.device)
+
+    def launch(self, kernel, dim: int, inputs: list) -> None:
+        if dim > 0:
+            self.wp.launch(kernel, dim=dim, inputs=inputs, device=self.device, stream=self.stream)
+
+
+def _warp_batched(t, offs, lens, out) -> None:
+    w = _WarpLauncher(t.device)
+    index = torch.from_numpy(np.concatenate((offs, lens))).to(t.device)
+    n = offs.size
+    w.launch(w.k.sha256_batched_kernel, n,
+             [w.array(_nonempty(t), w.wp.uint8), w.array(index[:n], w.wp.int64),
+              w.array(index[n:], w.wp.int64), *w.consts, w.array(out.view(-1), w.wp.uint8)])
+    if t.device.type == "cpu":
+        w.wp.synchronize_device(w.device)
+
+
+def _warp_tree(t, plan: _TreePlan, out) -> None:
+    w = _WarpLauncher(t.device)
+    buf = torch.empty(plan.total_bytes, dtype=torch.uint8, device=t.device)
+    buf[:plan.host_bytes.size].copy_(torch.from_numpy(plan.host_bytes.copy()))
+    buf_u8 = w.array(buf, w.wp.uint8)
+    table = w.array(buf[:8 * (plan.host_bytes.size // 8)].view(torch.int64), w.wp.int64)
+    data = w.array(_nonempty(t), w.wp.uint8)
+    for lvl in plan.levels + (plan.root,):
+        src = data if lvl.from_data else buf_u8
+        dst = w.array(out.view(-1), w.wp.uint8) if lvl is plan.root else buf_u8
+        w.launch(w.k.sha256_tree_level_kernel, lvl.n_msgs,
+                 [src, lvl.piece, table, lvl.table_at, lvl.n_obj, *w.consts, dst])
+    if t.device.type == "cpu":
+        w.wp.synchronize_device(w.device)
+    # On CUDA, buf may be freed as soon as this returns: torch's caching allocator hands its memory
+    # only to later work on the same stream, which runs after these launches.
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+def sha256_batched(data, offsets, lengths, *, backend: str = "auto") -> torch.Tensor:
+    """SHA-256 of many messages of one byte buffer; equal to ``hashlib.sha256`` for every length.
+
+    Args:
+        data: ``uint8[M]`` — a contiguous 1-D torch tensor (CPU or CUDA), or on the CPU a numpy
+            array or any bytes-like object (viewed, not copied).
+        offsets: ``int64[N]`` — byte offset of message ``i`` in ``data`` (torch on any device,
+            numpy, or a list of ints).
+        lengths: ``int64[N]`` — byte length of message ``i``; ``offsets[i] + lengths[i] <= M``.
+            Messages may overlap and may be empty.
+        backend: ``"auto"``, ``"cupy"``, ``"warp"`` or ``"host"`` (module docstring).
+
+    Returns:
+        ``uint8[N, 32]`` torch tensor on ``data``'s device (CPU for numpy/bytes input): row ``i``
+        is the digest of ``data[offsets[i]:offsets[i] + lengths[i]]``.
+
+    Raises:
+        LayoutError: an argument has the wrong dtype, shape, or a message leaves ``data``.
+        BackendError: the backend is unknown or unavailable for ``data``'s device.
+    """
+    t, offs, lens = _messages(data, offsets, lengths)
+    kind = _resolve(backend, t.device)
+    n = offs.size
+    if kind == "host" or n == 0:
+        digests = _host_batched(t, offs, lens) if n else np.empty((0, 32), np.uint8)
+        return torch.from_numpy(digests).to(t.device)
+    out = torch.empty((n, 32), dtype=torch.uint8, device=t.device)
+    if kind == "cupy":
+        _cupy_batched(t, offs, lens, out)
+    else:
+        _warp_batched(t, offs, lens, out)
+    return out
+
+
+def tree_digests(data, offsets, lengths, *, leaf_size: int = DEFAULT_LEAF_SIZE,
+                 fanout: int = DEFAULT_FANOUT, backend: str = "auto") -> torch.Tensor:
+    """kmesh-tree-sha256/v1 roots of many objects (docs/tree-sha256.md), one launch per tree level.
+
+    Args:
+        data, offsets, lengths: as in :func:`sha256_batched`; object ``i`` is
+            ``data[offsets[i]:offsets[i] + lengths[i]]`` (may be empty).
+        leaf_size: bytes per leaf, a multiple of 64 in [64, 2**30] (default 4096).
+        fanout: digests per inner node, in [2, 2**24] (default 64).
+        backend: as in :func:`sha256_batched`.
+
+    Returns:
+        ``uint8[N, 32]`` torch tensor on ``data``'s device: row ``i`` equals
+        ``kmesh_host.tree_digest(object_i, leaf_size=leaf_size, fanout=fanout)``.
+
+    Raises:
+        LayoutError, BackendError: as in :func:`sha256_batched`.
+        IntegrityError: ``leaf_size`` or ``fanout`` is not a valid v1 parameter.
+    """
+    check_tree_params(leaf_size, fanout)
+    t, offs, lens = _messages(data, offsets, lengths)
+    kind = _resolve(backend, t.device)
+    if offs.size == 0:
+        return torch.empty((0, 32), dtype=torch.uint8, device=t.device)
+    plan = _tree_plan(offs.tobytes(), lens.tobytes(), leaf_size, fanout)
+    if kind == "host":
+        return torch.from_numpy(_host_tree(t, plan)).to(t.device)
+    out = torch.empty((offs.size, 32), dtype=torch.uint8, device=t.device)
+    if kind == "cupy":
+        _cupy_tree(t, plan, out)
+    else:
+        _warp_tree(t, plan, out)
+    return out
+
+
+def _as_roots(expected_roots, n: int, device: torch.device) -> torch.Tensor:
+    if isinstance(expected_roots, (torch.Tensor, np.ndarray)):
+        roots = torch.as_tensor(expected_roots)
+        if roots.dtype != torch.uint8 or tuple(roots.shape) != (n, 32):
+            raise LayoutError(f"expected_roots: expected uint8[N={n}, 32], got {_describe(expected_roots)}")
+        return roots.to(device)
+    rows = list(expected_roots)
+    if len(rows) != n or any(not isinstance(r, (bytes, bytearray)) or len(r) != 32 for r in rows):
+        raise LayoutError(f"expected_roots: expected {n} digests of 32 bytes each")
+    return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(n, 32).to(device)
+
+
+def verify_tree_roots(data, offsets, lengths, expected_roots, *, names=None,
+                      leaf_size: int = DEFAULT_LEAF_SIZE, fanout: int = DEFAULT_FANOUT,
+                      backend: str = "auto") -> None:
+    """Check objects where they landed against their stored kmesh-tree-sha256/v1 roots.
+
+    The roots are computed on ``data``'s device (:func:`tree_digests`) and compared there; only one
+    flag per object is copied back, never the payload.
+
+    Args:
+        data, offsets, lengths, leaf_size, fanout, backend: as in :func:`tree_digests`.
+        expected_roots: ``uint8[N, 32]`` (torch on any device, or numpy) or a sequence of N 32-byte
+            ``bytes`` — the roots stored with the objects.
+        names: optional sequence of N names used in the error message (default ``object i``).
+
+    Raises:
+        IntegrityError: some object's root differs; the message names the first such object and
+            counts the others. The stored format keeps only the root, so the bad leaf is not known.
+        LayoutError, BackendError: as in :func:`tree_digests`.
+    """
+    got = tree_digests(data, offsets, lengths, leaf_size=leaf_size, fanout=fanout, backend=backend)
+    n = got.shape[0]
+    if names is not None and len(names) != n:
+        raise LayoutError(f"names: expected {n} names, got {len(names)}")
+    want = _as_roots(expected_roots, n, got.device)
+    bad = torch.nonzero((got != want).any(dim=1)).flatten().cpu().tolist()
+    if bad:
+        first = bad[0]
+        label = repr(names[first]) if names is not None else f"object {first}"
+        others = f" (and {len(bad) - 1} more of {n})" if len(bad) > 1 else ""
+        raise IntegrityError(
+            f"{TREE_FORMAT} mismatch for {label}{others}: computed root {bytes(got[first].cpu().tolist()).hex()}"
+            f", stored {bytes(want[first].cpu().tolist()).hex()}")
+
+
+def _sha256_one_thread_per_object(data, offsets, lengths) -> torch.Tensor:
+    """Perf baseline only: the seed's GPU SHA-256 design (CuPy, one thread per whole message).
+
+    Same contract as :func:`sha256_batched` with backend ``"cupy"``; ``perf/run_sha256.py`` measures
+    the tree digest against it. KMesh itself never calls it.
+    """
+    t, offs, lens = _messages(data, offsets, lengths)
+    _resolve("cupy", t.device)
+    out = torch.empty((offs.size, 32), dtype=torch.uint8, device=t.device)
+    if offs.size:
+        _cupy_batched(t, offs, lens, out, kernel_name="kmesh_sha256_object_naive")
+    return out

@@ -1,0 +1,357 @@
+"""Batched SHA-256 and kmesh-tree-sha256/v1 on the device: every backend equals hashlib and
+kmesh_host.tree_digest, for boundary lengths, all alignments and multi-level trees; canaries outside
+the messages; verification names the bad object; bad arguments are refused with named errors."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kmesh_gpu import BackendError, IntegrityError, LayoutError, sha256_batched, tree_digests, verify_tree_roots
+from kmesh_gpu import _backend
+from kmesh_gpu import sha256 as sha_mod
+from kmesh_host import tree_digest
+
+CASES = [
+    pytest.param("cpu", "host", id="cpu-host"),
+    pytest.param("cpu", "warp", id="cpu-warp"),
+    pytest.param("cuda", "host", id="cuda-host", marks=pytest.mark.gpu),
+    pytest.param("cuda", "warp", id="cuda-warp", marks=pytest.mark.gpu),
+    pytest.param("cuda", "cupy", id="cuda-cupy", marks=pytest.mark.gpu),
+]
+BOUNDARY_LENGTHS = [0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 121, 127, 128, 129, 1000]
+
+
+def _need(device: str, backend: str) -> None:
+    if backend == "cupy" and not _backend.has_cupy():
+        pytest.skip("needs cupy with a CUDA device (not installed here)")
+
+
+def _bytes(seed: int, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+def _hashlib(data: torch.Tensor, offs, lens) -> list[bytes]:
+    raw = data.cpu().numpy().tobytes()
+    return [hashlib.sha256(raw[o:o + n]).digest() for o, n in zip(offs, lens)]
+
+
+def _rows(digests: torch.Tensor) -> list[bytes]:
+    assert digests.dtype == torch.uint8 and digests.dim() == 2 and digests.shape[1] == 32
+    return [bytes(r) for r in digests.cpu().numpy()]
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_known_vectors(device, backend):
+    _need(device, backend)
+    data = torch.tensor(list(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"), dtype=torch.uint8)
+    got = sha256_batched(data.to(device), [0, 0, 0], [3, 0, 56], backend=backend)
+    assert got.device.type == device
+    assert [r.hex() for r in _rows(got)] == [
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1",
+    ]
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_batched_boundary_lengths_every_alignment(device, backend):
+    """Lengths around the padding boundaries, starting at every offset mod 16 (the three load paths)."""
+    _need(device, backend)
+    data = _bytes(1, 4096).to(device)
+    offs, lens = [], []
+    for n in BOUNDARY_LENGTHS:
+        for shift in (0, 1, 2, 3, 4, 8, 13):
+            offs.append(64 * len(offs) % 2048 + shift)
+            lens.append(n)
+    got = sha256_batched(data, np.array(offs, np.int64), torch.tensor(lens), backend=backend)
+    assert _rows(got) == _hashlib(data, offs, lens)
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_batched_random_overlapping_messages(device, backend):
+    _need(device, backend)
+    rng = np.random.default_rng(2)
+    data = _bytes(3, 50_000).to(device)
+    lens = rng.integers(0, 5000, 120)
+    offs = np.array([rng.integers(0, 50_000 - n + 1) for n in lens], dtype=np.int64)
+    got = sha256_batched(data, torch.from_numpy(offs).to(device), lens.astype(np.int64), backend=backend)
+    assert _rows(got) == _hashlib(data, offs.tolist(), lens.tolist())
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_canaries_outside_messages_do_not_matter(device, backend):
+    """Bytes right before and after each message are never read; a flipped byte inside is seen."""
+    _need(device, backend)
+    data = _bytes(4, 3000)
+    offs, lens = [16, 300, 1029, 2000], [200, 64, 55, 999]
+    ref = sha256_batched(data, offs, lens, backend="host")
+    poisoned = data.clone()
+    for o, n in zip(offs, lens):
+        poisoned[o - 1] ^= 0xFF
+        poisoned[o + n] ^= 0xFF
+    assert torch.equal(sha256_batched(poisoned.to(device), offs, lens, backend=backend).cpu(), ref)
+    flipped = data.clone()
+    flipped[1029 + 54] ^= 0x01
+    got = sha256_batched(flipped.to(device), offs, lens, backend=backend).cpu()
+    assert [torch.equal(got[i], ref[i]) for i in range(4)] == [True, True, False, True]
+
+
+TREE_SHAPES = [
+    pytest.param(64, 2, id="leaf64-fan2"),
+    pytest.param(128, 3, id="leaf128-fan3"),
+    pytest.param(256, 64, id="leaf256-fan64"),
+]
+
+
+def _tree_lengths(leaf: int, fanout: int) -> list[int]:
+    span = leaf * fanout
+    return sorted({0, 1, 55, 56, 63, 64, 119, 120, leaf - 1, leaf, leaf + 1, span - 1, span, span + 1,
+                   span * fanout - 1, span * fanout + 1, 3 * span * fanout + 7})
+
+
+@pytest.mark.parametrize("leaf,fanout", TREE_SHAPES)
+@pytest.mark.parametrize("device,backend", CASES)
+def test_tree_digests_equal_host_tree_digest(device, backend, leaf, fanout):
+    """All objects of one call (different heights) in one launch per level, any offset alignment."""
+    _need(device, backend)
+    lens = _tree_lengths(leaf, fanout)
+    offs, at = [], 0
+    for i, n in enumerate(lens):
+        offs.append(at + i % 5)
+        at += n + 16
+    data = _bytes(5, at + 16)
+    raw = data.numpy().tobytes()
+    want = [tree_digest(raw[o:o + n], leaf_size=leaf, fanout=fanout) for o, n in zip(offs, lens)]
+    got = tree_digests(data.to(device), offs, lens, leaf_size=leaf, fanout=fanout, backend=backend)
+    assert got.device.type == device
+    assert _rows(got) == want
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_tree_digests_default_parameters(device, backend):
+    _need(device, backend)
+    leaf, span = 4096, 4096 * 64
+    lens = [0, 5, leaf - 1, leaf, leaf + 1, span - 1, span, span + 1]
+    offs = np.cumsum([0] + lens[:-1]).astype(np.int64)
+    data = _bytes(6, int(sum(lens)))
+    raw = data.numpy().tobytes()
+    want = [tree_digest(raw[o:o + n]) for o, n in zip(offs.tolist(), lens)]
+    assert _rows(tree_digests(data.to(device), offs, lens, backend=backend)) == want
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_verify_tree_roots_names_the_bad_object(device, backend):
+    _need(device, backend)
+    data = _bytes(7, 4 * 1000)
+    offs, lens = [0, 1000, 2000, 3000], [1000, 1000, 1000, 999]
+    names = ["seg-a", "seg-b", "seg-c", "seg-d"]
+    roots = tree_digests(data, offs, lens, leaf_size=64, fanout=4, backend="host")
+    on_device = data.to(device)
+    verify_tree_roots(on_device, offs, lens, roots, names=names, leaf_size=64, fanout=4, backend=backend)
+    verify_tree_roots(on_device, offs, lens, _rows(roots), leaf_size=64, fanout=4, backend=backend)
+    on_device[2500] ^= 0x80
+    on_device[3998] ^= 0x01
+    with pytest.raises(IntegrityError, match=r"'seg-c' \(and 1 more of 4\)"):
+        verify_tree_roots(on_device, offs, lens, roots.numpy(), names=names, leaf_size=64, fanout=4,
+                          backend=backend)
+    with pytest.raises(IntegrityError, match="object 2"):
+        verify_tree_roots(on_device, offs, lens, roots, leaf_size=64, fanout=4, backend=backend)
+    # Stored under other parameters: the roots differ, so verification refuses rather than passes.
+    with pytest.raises(IntegrityError, match="object 0"):
+        verify_tree_roots(data, offs, lens, roots, leaf_size=128, fanout=4, backend=backend)
+
+
+def test_inputs_numpy_bytes_and_empty():
+    payload = bytes(range(200))
+    want = [hashlib.sha256(payload[10:150]).digest()]
+    assert _rows(sha256_batched(payload, [10], [140])) == want
+    assert _rows(sha256_batched(np.frombuffer(payload, np.uint8), np.array([10]), np.array([140]))) == want
+    assert sha256_batched(payload, [], []).shape == (0, 32)
+    assert tree_digests(payload, np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0, 32)
+    empty = torch.zeros(0, dtype=torch.uint8)
+    for backend in ("host", "warp"):
+        assert _rows(tree_digests(empty, [0, 0], [0, 0], backend=backend)) == [tree_digest(b"")] * 2
+        assert _rows(sha256_batched(empty, [0], [0], backend=backend)) == [hashlib.sha256(b"").digest()]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: sha256_batched(torch.zeros(8, dtype=torch.int32), [0], [1]), r"data: expected uint8\[M\]"),
+    (lambda: sha256_batched(torch.zeros(2, 4, dtype=torch.uint8), [0], [1]), r"data: expected uint8\[M\]"),
+    (lambda: sha256_batched(torch.zeros(8, dtype=torch.uint8)[::2], [0], [1]), "contiguous"),
+    (lambda: sha256_batched(b"abcd", np.array([0], np.int32), [1]), r"offsets: expected int64\[N\]"),
+    (lambda: sha256_batched(b"abcd", [0], torch.ones(1, 1, dtype=torch.int64)), r"lengths: expected int64\[N\]"),
+    (lambda: sha256_batched(b"abcd", [0, 1], [1]), "same shape"),
+    (lambda: sha256_batched(b"abcd", [-1], [1]), r"offsets\[0\] = -1"),
+    (lambda: sha256_batched(b"abcd", [0, 0], [1, -2]), r"lengths\[1\] = -2"),
+    (lambda: sha256_batched(b"abcd", [0, 2], [4, 3]), r"message 1 = data\[2:5\] runs past the end"),
+    (lambda: sha256_batched(b"abcd", [0], [1], backend="fast"), "backend"),
+    (lambda: tree_digests(b"abcd", [0], [4], leaf_size=100), "leaf_size"),
+    (lambda: tree_digests(b"abcd", [0], [4], leaf_size=0), "leaf_size"),
+    (lambda: tree_digests(b"abcd", [0], [4], leaf_size=True), "leaf_size"),
+    (lambda: tree_digests(b"abcd", [0], [4], leaf_size=2 ** 31), "leaf_size"),
+    (lambda: tree_digests(b"abcd", [0], [4], fanout=1), "fanout"),
+    (lambda: tree_digests(b"abcd", [0], [4], fanout=2 ** 25), "fanout"),
+    (lambda: tree_digests(b"abcd", [0], [4], fanout=4.0), "fanout"),
+    (lambda: verify_tree_roots(b"abcd", [0], [4], [b"x" * 31]), "expected_roots"),
+    (lambda: verify_tree_roots(b"abcd", [0], [4], torch.zeros(2, 32, dtype=torch.uint8)), "expected_roots"),
+    (lambda: verify_tree_roots(b"abcd", [0], [4], [b"x" * 32], names=["a", "b"]), "names"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((LayoutError, IntegrityError, BackendError), match=match):
+        call()
+
+
+def test_cupy_refuses_cpu_data():
+    with pytest.raises(BackendError, match="cupy"):
+        sha256_batched(b"abcd", [0], [4], backend="cupy")
+
+
+# -- The CUDA source's logic, compiled for the host ---------------------------------------------
+# csrc/sha256.cu is framework-free; with a few lines that give the CUDA intrinsics their meaning on
+# a CPU, g++ compiles it unchanged, so CI checks the fast kernels' logic (load paths, tail, tree
+# levels, baseline) without a GPU. Threads are run one after another.
+
+_SHIM = r"""
+#include <stdint.h>
+#include <string.h>
+struct uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { uint4 v = {a, b, c, d}; return v; }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __constant__
+#define __launch_bounds__(x)
+struct kmesh_dim { unsigned x; };
+static kmesh_dim threadIdx, blockIdx, blockDim;
+template <class T> static inline T __ldg(const T* p) { T v; memcpy(&v, p, sizeof(T)); return v; }
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> (sh & 31)); }
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r; }
+#include "SOURCE"
+static void at_thread(long long t) { blockIdx.x = t / SHA256_THREADS; threadIdx.x = t % SHA256_THREADS; }
+extern "C" void run_batched(const u8* d, const i64* o, const i64* l, u8* out, i64 n, int naive) {
+    blockDim.x = SHA256_THREADS;
+    for (long long t = 0; t < n; ++t) {
+        at_thread(t);
+        if (naive) kmesh_sha256_object_naive(d, o, l, out, n); else kmesh_sha256_batched(d, o, l, out, n);
+    }
+}
+extern "C" void run_level(const u8* src, i64 piece, const i64* table, i64 n_obj, i64 n_msgs, u8* out) {
+    blockDim.x = SHA256_THREADS;
+    for (long long t = 0; t < n_msgs + SHA256_THREADS; ++t) {   // extra threads must exit untouched
+        at_thread(t);
+        kmesh_sha256_tree_level(src, piece, table, n_obj, n_msgs, out);
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cuda_source_on_host(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ to compile csrc/sha256.cu for the host (not installed)")
+    source = Path(sha_mod.__file__).with_name("csrc") / "sha256.cu"
+    work = tmp_path_factory.mktemp("sha256_host")
+    (work / "shim.cpp").write_text(_SHIM.replace("SOURCE", str(source)))
+    lib = work / "libsha256_host.so"
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-o", str(lib), str(work / "shim.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    return ctypes.CDLL(str(lib))
+
+
+def _p(a: np.ndarray, byte_offset: int = 0):
+    return ctypes.c_void_p(a.ctypes.data + byte_offset)
+
+
+@pytest.mark.parametrize("naive", [0, 1], ids=["batched", "one-thread-per-object"])
+def test_cuda_source_batched_on_host(cuda_source_on_host, naive):
+    data = _bytes(8, 6000).numpy()
+    offs, lens = [], []
+    for n in BOUNDARY_LENGTHS + [4095, 4096, 4097]:
+        for shift in (0, 1, 2, 3, 4, 7, 8, 12):
+            offs.append(17 * len(offs) % 1024 + shift)
+            lens.append(n)
+    offs, lens = np.array(offs, np.int64), np.array(lens, np.int64)
+    out = np.zeros((offs.size, 32), np.uint8)
+    cuda_source_on_host.run_batched(_p(data), _p(offs), _p(lens), _p(out), ctypes.c_longlong(offs.size),
+                                    ctypes.c_int(naive))
+    assert [bytes(r) for r in out] == _hashlib(torch.from_numpy(data), offs.tolist(), lens.tolist())
+
+
+@pytest.mark.parametrize("leaf,fanout", TREE_SHAPES + [pytest.param(4096, 64, id="leaf4096-fan64")])
+def test_cuda_source_tree_levels_on_host(cuda_source_on_host, leaf, fanout):
+    """The tree launches exactly as kmesh_gpu issues them (same plan), run through the CUDA source."""
+    lens = _tree_lengths(leaf, fanout) if leaf < 4096 else [0, 4097, 4096 * 64 + 1]
+    offs = np.cumsum([3] + [n + 5 for n in lens[:-1]]).astype(np.int64)
+    data = _bytes(9, int(offs[-1]) + lens[-1] + 8).numpy()
+    plan = sha_mod._tree_plan(offs.tobytes(), np.array(lens, np.int64).tobytes(), leaf, fanout)
+    buf = np.full(plan.total_bytes, 0xA5, np.uint8)            # poisoned: every digest must be written
+    buf[:plan.host_bytes.size] = plan.host_bytes
+    out = np.full((len(lens), 32), 0xA5, np.uint8)
+    for lvl in plan.levels + (plan.root,):
+        src = data if lvl.from_data else buf
+        dst = out if lvl is plan.root else buf
+        cuda_source_on_host.run_level(_p(src), ctypes.c_longlong(lvl.piece), _p(buf, 8 * lvl.table_at),
+                                      ctypes.c_longlong(lvl.n_obj), ctypes.c_longlong(lvl.n_msgs), _p(dst))
+    raw = data.tobytes()
+    assert [bytes(r) for r in out] == [tree_digest(raw[o:o + n], leaf_size=leaf, fanout=fanout)
+                                       for o, n in zip(offs.tolist(), lens)]
+
+
+# -- GPU: all backends agree, on the data's stream, with poisoned allocator memory ---------------
+
+def _poison_cuda_allocator(nbytes: int) -> None:
+    """Leave 0xA5 bytes in the caching allocator's free blocks, so unwritten outputs would show."""
+    junk = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
+    del junk
+
+
+@pytest.mark.gpu
+def test_gpu_backends_agree_on_large_batch():
+    if not _backend.has_cupy():
+        pytest.skip("needs cupy with a CUDA device (not installed here)")
+    rng = np.random.default_rng(10)
+    host = _bytes(11, 4 * (3 << 20) + 64)
+    lens = [3 << 20] * 4 + rng.integers(0, 70_000, 200).tolist()
+    offs = [i * (3 << 20) for i in range(4)] + rng.integers(0, (3 << 20) * 3, 200).tolist()
+    data = host.cuda()
+    raw = host.numpy().tobytes()
+    _poison_cuda_allocator(64 << 20)
+    ref_sha = _hashlib(host, offs, lens)
+    for backend in ("cupy", "warp"):
+        assert _rows(sha256_batched(data, offs, lens, backend=backend)) == ref_sha, backend
+    ref_tree = [tree_digest(raw[o:o + n]) for o, n in zip(offs, lens)]
+    for backend in ("cupy", "warp"):
+        _poison_cuda_allocator(64 << 20)
+        assert _rows(tree_digests(data, offs, lens, backend=backend)) == ref_tree, backend
+    baseline = sha_mod._sha256_one_thread_per_object(data, offs[4:40], lens[4:40])
+    assert _rows(baseline) == ref_sha[4:40]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "warp"])
+def test_gpu_runs_on_the_current_stream(backend):
+    """Data produced on a side stream is hashed after that copy, without an explicit sync."""
+    _need("cuda", backend)
+    host = _bytes(12, 8 << 20).pin_memory()
+    want = tree_digest(host.numpy())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        data = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
+        data.copy_(host, non_blocking=True)
+        got = tree_digests(data, [0], [host.numel()], backend=backend)
+        got_host = got.to("cpu", non_blocking=False)
+    side.synchronize()
+    assert bytes(got_host[0].numpy()) == want
