@@ -41,3 +41,15 @@ class DrainError(KmeshError):
 
 class ProtocolError(KmeshError):
     """A malformed, oversized or unauthenticated message reached the cache service."""
+
+
+class ServiceError(KmeshError, RuntimeError):
+    """The cache service failed a request for a reason of its own, or could not be reached."""
+
+
+class StorageError(KmeshError, OSError):
+    """Writing or reading a segment failed in the filesystem (disk full, permission, I/O error)."""
+
+
+class BudgetExceeded(KmeshError, MemoryError):
+    """A host-RAM tier or buffer pool cannot hold a request within its byte budget."""

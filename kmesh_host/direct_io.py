@@ -1,0 +1,279 @@
+"""O_DIRECT reads into aligned (optionally pinned) host buffers, on a thread pool.
+
+O_DIRECT needs the buffer address, the file offset and the length to be multiples of the device's
+logical block size; 4096 covers every device we meet. Buffers come from anonymous ``mmap`` (page
+aligned) and are page-locked with ``cudaHostRegister`` when CUDA is available, so async H2D copies
+can read them. Reads are split into chunks served by a thread pool of ``os.preadv`` calls (the
+GIL is released during each call); io_uring is not used because no Python binding is installed
+here, and reports say ``io_engine="threads"``.
+
+Where a filesystem refuses O_DIRECT (EINVAL at open or at the first read) the file is read through
+the page cache instead and the reader says so (``o_direct=False`` with the reason); callers that
+need cold reads then drop the file's cached pages with ``posix_fadvise(DONTNEED)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from kmesh_gpu.errors import IntegrityError, StorageError
+
+ALIGN = 4096
+IO_ENGINE = "threads"
+IO_ENGINE_NOTE = "io_uring not used: no Python io_uring binding is installed; os.preadv on a thread pool"
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def round_down(n: int, a: int = ALIGN) -> int:
+    return n - n % a
+
+
+class HostBuffer:
+    """``nbytes`` of page-aligned host memory, page-locked (pinned) when ``pin`` is true.
+
+    Owns the mapping; :meth:`close` unregisters and unmaps it after waiting for the copy fence
+    (the CUDA event of the last async copy that reads it). ``tensor`` is a uint8 view of all of it.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False):
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: expected a positive size, got {nbytes}")
+        self.nbytes = round_up(nbytes)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(anchor)
+        del anchor
+        self.pinned = False
+        self._fence = None
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
+            code = int(rc)
+            if code != 0:
+                self._map.close()
+                raise StorageError(f"cudaHostRegister of {self.nbytes} bytes failed (cudaError {code})")
+            self.pinned = True
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def set_fence(self, event) -> None:
+        """Record that an async copy reading this buffer completes when ``event`` does."""
+        self._fence = event
+
+    def wait(self) -> None:
+        """Block until no recorded async copy still reads this buffer."""
+        if self._fence is not None:
+            self._fence.synchronize()
+            self._fence = None
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.wait()
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.pinned = False
+        self.tensor = None
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # A caller still holds a view; the mapping goes when that view does.
+            pass
+        self._map = None
+
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class DirectFile:
+    """A file opened for reading with O_DIRECT where the filesystem allows it.
+
+    Attributes:
+        o_direct: whether reads bypass the page cache.
+        fallback_reason: why not (``None`` when they do).
+    """
+
+    def __init__(self, path: str, *, direct: bool = True):
+        self.path = path
+        self.o_direct = False
+        self.fallback_reason = None if direct else "O_DIRECT not requested"
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        self._fd = -1
+        self._lock = threading.Lock()
+        if direct:
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT)
+                self.o_direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.fallback_reason = f"filesystem refused O_DIRECT at open ({exc.strerror})"
+        if self._fd < 0:
+            self._fd = os.open(path, flags)
+        self.size = os.fstat(self._fd).st_size
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _fall_back(self, exc: OSError) -> None:
+        with self._lock:
+            if not self.o_direct:
+                return
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            old, self._fd = self._fd, fd
+            os.close(old)
+            self.o_direct = False
+            self.fallback_reason = f"filesystem refused an O_DIRECT read ({exc.strerror})"
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        """Read ``len(view)`` bytes at ``offset`` (short only at end of file); returns bytes read.
+
+        With O_DIRECT, ``view``'s address, ``offset`` and ``len(view)`` must be 4096-aligned.
+        """
+        done, want = 0, len(view)
+        while done < want:
+            try:
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.o_direct and done == 0:
+                    self._fall_back(exc)
+                    continue
+                raise StorageError(f"read of {self.path} at {offset + done} failed: {exc}") from exc
+            done += n
+            # A short read means end of file (O_DIRECT reads past EOF stop there).
+            if n == 0 or offset + done >= self.size:
+                break
+        return done
+
+    def drop_cache(self) -> None:
+        """Drop this file's clean pages from the page cache (needs no privileges)."""
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ReadEngine:
+    """A thread pool that reads file ranges in chunks into aligned buffers (the pool is owned here).
+
+    :meth:`submit` starts the chunk reads of one range and returns a :class:`RangeRead`; its
+    :meth:`RangeRead.chunks` yields each chunk in file order as soon as it is in memory, so the
+    caller can start copying it to the GPU while later chunks are still being read.
+    """
+
+    def __init__(self, threads: int = 4, chunk_bytes: int = 1 << 20):
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes: expected a positive multiple of {ALIGN}, got {chunk_bytes}")
+        self.threads = max(1, int(threads))
+        self.chunk_bytes = chunk_bytes
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kmesh-read")
+
+    def submit(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *,
+               name: str = "") -> "RangeRead":
+        """Read ``file[offset : offset + length]`` into ``buffer``.
+
+        ``buffer`` must start page aligned and hold ``round_up(offset % 4096 + length)`` bytes;
+        the data lands at ``buffer[offset % 4096:]`` (the aligned superset of the range is read).
+        """
+        lead = offset % ALIGN
+        start = offset - lead
+        total = round_up(lead + length)
+        if len(buffer) < total:
+            raise ValueError(f"buffer: {len(buffer)} bytes cannot hold the aligned range of {total}")
+        pieces = []
+        for a in range(0, total, self.chunk_bytes):
+            b = min(total, a + self.chunk_bytes)
+            pieces.append((a, b, self._pool.submit(file.pread_into, buffer[a:b], start + a)))
+        return RangeRead(file, name or file.path, lead, length, pieces)
+
+    def read(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *, name: str = "") -> memoryview:
+        """Blocking :meth:`submit`; returns the view of exactly the requested bytes."""
+        rr = self.submit(file, offset, length, buffer, name=name)
+        for _ in rr.chunks():
+            pass
+        return buffer[rr.lead:rr.lead + length]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class RangeRead:
+    """The chunk reads of one range in flight (see :meth:`ReadEngine.submit`)."""
+
+    def __init__(self, file: DirectFile, name: str, lead: int, length: int, pieces: list[tuple[int, int, Future]]):
+        self.file, self.name, self.lead, self.length = file, name, lead, length
+        self._pieces = pieces
+
+    def chunks(self, on_chunk: Callable[[int, int], None] | None = None):
+        """Yield ``(start, stop)`` buffer ranges in order as each is read; raise on a short file.
+
+        On failure the remaining reads are waited for (never left writing a buffer the caller
+        is about to free) and the first error is raised.
+        """
+        end = self.lead + self.length
+        try:
+            for a, b, fut in self._pieces:
+                n = fut.result()
+                if a + n < min(b, end):
+                    raise IntegrityError(f"segment {self.name}: file ends at {a + n} bytes into the read "
+                                         f"range, expected {end} (truncated)")
+                lo, hi = max(a, self.lead), min(b, end)
+                if lo < hi:
+                    if on_chunk is not None:
+                        on_chunk(lo, hi)
+                    yield lo, hi
+        finally:
+            self.wait()
+
+    def wait(self) -> None:
+        for _, _, fut in self._pieces:
+            try:
+                fut.result()
+            except Exception:  # already reported by chunks(); here we only wait for the writer to stop
+                pass
+
+
+def file_o_direct_support(path: str) -> tuple[bool, str | None]:
+    """Whether ``path`` can be read with O_DIRECT, and why not."""
+    with DirectFile(path) as f:
+        if not f.o_direct:
+            return False, f.fallback_reason
+        with HostBuffer(ALIGN) as buf:
+            f.pread_into(buf.view[:ALIGN], 0)
+        return f.o_direct, f.fallback_reason
+
+
+__all__ = ["ALIGN", "IO_ENGINE", "IO_ENGINE_NOTE", "HostBuffer", "DirectFile", "ReadEngine", "RangeRead",
+           "round_up", "round_down", "file_o_direct_support"]

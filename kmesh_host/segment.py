@@ -1,0 +1,526 @@
+"""The KMesh segment file: one Arrow IPC file, one record batch of one row per stored object.
+
+A segment is the KV state of one shared text segment, ``kv`` of shape ``(2, L, T, H, D)`` (K/V,
+layers, tokens, KV heads, head size) in the model dtype, or uint8 / float8_e4m3fn holding fp8,
+with the segment's token ids and original positions (keys are post-RoPE at those positions).
+
+File layout (``kmesh-segment`` format version 1), readable with plain ``pyarrow.ipc.open_file``:
+
+====================  ==================================  ========================================
+column                type                                meaning
+====================  ==================================  ========================================
+format                string                              ``"kmesh-segment"``
+version               uint16                              :data:`FORMAT_VERSION`
+key                   string                              content-derived key (see :func:`derive_key`)
+fingerprint           struct<architecture, num_layers,    the model that produced the KV
+                      num_kv_heads, head_size, dtype,
+                      rope (canonical JSON)>
+dtype                 string                              torch dtype name of ``kv``
+shape                 list<int64>                         ``(2, L, T, H, D)``
+token_ids             list<int64>                         ``T`` token ids
+positions             list<int64>                         ``T`` original positions
+payload_length        int64                               bytes of ``kv`` (before padding)
+chunk_size            int32                               the payload is padded to a multiple of it
+sha256                fixed_size_binary(32)               SHA-256 of the padded payload
+tree_root             fixed_size_binary(32)               kmesh-tree-sha256/v1 root of the padded payload
+tree_leaf_size        int32                               its parameters
+tree_fanout           int32
+align_pad             binary                              zero bytes placing the payload at a
+                                                          4096-aligned file offset
+payload               fixed_size_binary(padded length)    ``kv`` bytes, zero padded (last column)
+====================  ==================================  ========================================
+
+The schema metadata repeats ``kmesh.format`` and ``kmesh.version`` and records
+``kmesh.payload_offset`` (16 decimal digits): the payload's byte offset in the file. Because the
+payload starts on a 4096-byte boundary and its length is a multiple of the chunk size, storage
+routes read it with O_DIRECT or cuFile straight into its destination, and read the small metadata
+around it (head and footer) separately.
+
+Every metadata field is bound by the key: the key is the SHA-256 of a canonical description of all
+of them (digests included), so a reader that recomputes the key detects a changed field; the payload
+is bound by its SHA-256 and tree root. Anything a file contains that does not check out raises
+:class:`~kmesh_gpu.errors.IntegrityError` naming the segment, never other data than was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from kmesh_gpu.errors import FingerprintMismatch, IntegrityError, LayoutError
+
+from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, sha256, tree_digest
+
+FORMAT_NAME = "kmesh-segment"
+FORMAT_VERSION = 1
+DEFAULT_CHUNK_SIZE = 4096
+#: File alignment of the payload (O_DIRECT and GPUDirect Storage want 4 KiB).
+PAYLOAD_ALIGNMENT = 4096
+ARROW_MAGIC = b"ARROW1"
+_OFFSET_DIGITS = 16
+# Arrow's fixed_size_binary width is an int32.
+_MAX_PAYLOAD = (1 << 31) - PAYLOAD_ALIGNMENT
+
+#: dtypes a segment may hold, by the name stored in the file.
+SEGMENT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+_FP8_NAMES = ("float8_e4m3fn", "uint8")
+
+
+def dtype_name(dtype) -> str:
+    """The stored name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``); strings pass through."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in SEGMENT_DTYPES:
+        raise LayoutError(f"dtype: expected one of {sorted(SEGMENT_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _canonical(value) -> Any:
+    """JSON-able, order-independent form of a RoPE description value."""
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise LayoutError(f"rope: values must be finite, got {value!r}")
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise LayoutError(f"rope: expected JSON scalars, lists or mappings, got {type(value).__name__} {value!r}")
+
+
+def _freeze(value) -> Any:
+    if isinstance(value, dict):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return ("__list__",) + tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value) -> Any:
+    if isinstance(value, tuple):
+        if value and value[0] == "__list__":
+            return [_thaw(v) for v in value[1:]]
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Which model produced a segment's KV; restoring into another model is refused.
+
+    Attributes:
+        architecture: e.g. ``"Qwen2ForCausalLM"``.
+        num_layers, num_kv_heads, head_size: the KV geometry ``L``, ``H``, ``D``.
+        dtype: the KV dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"float8_e4m3fn"``
+            or ``"uint8"`` for fp8 held as bytes); a ``torch.dtype`` is accepted and stored by name.
+        rope: a description of the RoPE spec (base, rotary_dim, style, scaling ...), given as a
+            mapping; stored frozen, compared and digested in canonical (sorted-key JSON) form.
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    rope: Any = ()
+
+    def __post_init__(self):
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise LayoutError(f"architecture: expected a non-empty string, got {self.architecture!r}")
+        for name in ("num_layers", "num_kv_heads", "head_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise LayoutError(f"{name}: expected a positive integer, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        rope = self.rope
+        if isinstance(rope, tuple):
+            rope = _thaw(rope) if rope else {}
+        if not isinstance(rope, Mapping):
+            raise LayoutError(f"rope: expected a mapping describing the RoPE spec, got {type(rope).__name__}")
+        object.__setattr__(self, "rope", _freeze(_canonical(rope)))
+
+    def rope_dict(self) -> dict:
+        return _thaw(self.rope) if self.rope else {}
+
+    def to_dict(self) -> dict:
+        return {"architecture": self.architecture, "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads, "head_size": self.head_size, "dtype": self.dtype,
+                "rope": self.rope_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelFingerprint":
+        try:
+            return cls(d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_size"], d["dtype"],
+                       d.get("rope") or {})
+        except (KeyError, TypeError) as exc:
+            raise LayoutError(f"model_fingerprint: malformed description {dict(d)!r}: {exc}") from exc
+
+    def rope_json(self) -> str:
+        return json.dumps(self.rope_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def digest(self) -> str:
+        """Stable hex SHA-256 of the canonical description (same on every machine and run)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def differences(self, other: "ModelFingerprint") -> list[str]:
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+@dataclass
+class SegmentHeader:
+    """Everything a segment file says except the payload bytes, plus where the payload lies.
+
+    ``payload_offset`` is the payload's byte offset in the file, ``padded_length`` its stored length
+    (a multiple of ``chunk_size``); the KV bytes are its first ``payload_length`` bytes.
+    """
+
+    key: str
+    fingerprint: ModelFingerprint
+    dtype: str
+    shape: tuple[int, ...]
+    token_ids: np.ndarray
+    positions: np.ndarray
+    payload_length: int
+    padded_length: int
+    chunk_size: int
+    sha256: bytes
+    tree_root: bytes
+    tree_leaf_size: int
+    tree_fanout: int
+    payload_offset: int
+    file_size: int
+    version: int = FORMAT_VERSION
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SEGMENT_DTYPES[self.dtype]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
+
+    def kv_view(self, payload: torch.Tensor) -> torch.Tensor:
+        """``kv`` as a view of a uint8 tensor holding the (padded) payload, on any device."""
+        return payload[: self.payload_length].view(self.torch_dtype).view(self.shape)
+
+
+@dataclass
+class Segment:
+    """A restored segment. ``kv``: ``(2, L, T, H, D)``; ``token_ids``, ``positions``: ``int64[T]``."""
+
+    kv: torch.Tensor
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    key: str
+    fingerprint: ModelFingerprint
+
+
+# ----------------------------------------------------------------------------------- schema
+def _fingerprint_type() -> pa.DataType:
+    return pa.struct([("architecture", pa.string()), ("num_layers", pa.int32()), ("num_kv_heads", pa.int32()),
+                      ("head_size", pa.int32()), ("dtype", pa.string()), ("rope", pa.string())])
+
+
+def segment_schema(padded_length: int, payload_offset: int = 0) -> pa.Schema:
+    """The Arrow schema of a segment file whose payload is ``padded_length`` bytes."""
+    fields = [
+        ("format", pa.string()), ("version", pa.uint16()), ("key", pa.string()),
+        ("fingerprint", _fingerprint_type()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+        ("token_ids", pa.list_(pa.int64())), ("positions", pa.list_(pa.int64())),
+        ("payload_length", pa.int64()), ("chunk_size", pa.int32()),
+        ("sha256", pa.binary(32)), ("tree_root", pa.binary(32)),
+        ("tree_leaf_size", pa.int32()), ("tree_fanout", pa.int32()),
+        ("align_pad", pa.binary()), ("payload", pa.binary(padded_length)),
+    ]
+    meta = {b"kmesh.format": FORMAT_NAME.encode(), b"kmesh.version": str(FORMAT_VERSION).encode(),
+            b"kmesh.payload_offset": f"{payload_offset:0{_OFFSET_DIGITS}d}".encode()}
+    return pa.schema(fields, metadata=meta)
+
+
+def derive_key(fingerprint: ModelFingerprint, dtype: str, shape, token_ids: np.ndarray, positions: np.ndarray,
+               payload_length: int, chunk_size: int, sha: bytes, root: bytes, leaf_size: int, fanout: int) -> str:
+    """The content-derived segment key: hex SHA-256 over every metadata field and the payload digests."""
+    desc = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "fingerprint": fingerprint.to_dict(), "dtype": dtype,
+        "shape": [int(s) for s in shape],
+        "token_ids": hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest(),
+        "positions": hashlib.sha256(np.ascontiguousarray(positions, dtype="<i8").tobytes()).hexdigest(),
+        "num_tokens": int(len(token_ids)), "payload_length": int(payload_length), "chunk_size": int(chunk_size),
+        "sha256": sha.hex(), "tree_root": root.hex(), "tree_leaf_size": int(leaf_size), "tree_fanout": int(fanout),
+    }
+    text = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def is_key(key) -> bool:
+    return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+
+
+# ----------------------------------------------------------------------------------- encode
+def _as_int64_vector(name: str, value, n: int) -> np.ndarray:
+    t = torch.as_tensor(value)
+    if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 or t.numel() != n:
+        raise LayoutError(f"{name}: expected int64[T={n}], got {str(t.dtype).removeprefix('torch.')}"
+                          f"{list(t.shape)}")
+    return t.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=True)
+
+
+def _check_kv(kv, fingerprint: ModelFingerprint) -> torch.Tensor:
+    if not isinstance(kv, torch.Tensor):
+        raise LayoutError(f"kv: expected a torch.Tensor of shape (2, L, T, H, D), got {type(kv).__name__}")
+    name = dtype_name(kv.dtype) if str(kv.dtype).removeprefix("torch.") in SEGMENT_DTYPES else None
+    if name is None:
+        raise LayoutError(f"kv: dtype {kv.dtype} is not one of {sorted(SEGMENT_DTYPES)}")
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise LayoutError(f"kv: expected shape (2, L, T, H, D), got {tuple(kv.shape)}")
+    _, L, T, H, D = kv.shape
+    want = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_size)
+    if (L, H, D) != want or T == 0:
+        raise LayoutError(f"kv: shape {tuple(kv.shape)} does not match the model fingerprint "
+                          f"(L, H, D) = {want} (or has no tokens)")
+    fp8_ok = fingerprint.dtype in _FP8_NAMES and name in _FP8_NAMES
+    if name != fingerprint.dtype and not fp8_ok:
+        raise LayoutError(f"kv: dtype {name} does not match the model fingerprint's {fingerprint.dtype}")
+    return kv
+
+
+def payload_bytes(kv: torch.Tensor, chunk_size: int) -> tuple[np.ndarray, int]:
+    """``(padded uint8 array, unpadded length)`` of ``kv``'s bytes (copied to host, C order)."""
+    raw = kv.detach().contiguous().to("cpu").view(torch.uint8).reshape(-1).numpy()
+    length = raw.nbytes
+    padded = -(-length // chunk_size) * chunk_size
+    out = np.zeros(padded, dtype=np.uint8)
+    out[:length] = raw
+    return out, length
+
+
+def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint: ModelFingerprint,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, leaf_size: int = DEFAULT_LEAF_SIZE,
+                   fanout: int = DEFAULT_FANOUT) -> tuple[str, pa.Buffer]:
+    """Encode one segment; returns ``(key, file bytes)``.
+
+    Args:
+        kv: ``(2, L, T, H, D)`` tensor (any device) in the fingerprint's dtype.
+        token_ids, positions: ``int64[T]`` (int32 accepted).
+        model_fingerprint: the model that produced ``kv``; its L, H, D and dtype are checked.
+        chunk_size: the payload is zero padded to a multiple of it (a power of two >= 512).
+    """
+    if not isinstance(model_fingerprint, ModelFingerprint):
+        raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
+    if chunk_size < 512 or chunk_size & (chunk_size - 1) or chunk_size > PAYLOAD_ALIGNMENT * 256:
+        raise LayoutError(f"chunk_size: expected a power of two in [512, 1 MiB], got {chunk_size}")
+    kv = _check_kv(kv, model_fingerprint)
+    T = kv.shape[2]
+    tok = _as_int64_vector("token_ids", token_ids, T)
+    pos = _as_int64_vector("positions", positions, T)
+    payload, length = payload_bytes(kv, chunk_size)
+    if payload.nbytes > _MAX_PAYLOAD:
+        raise LayoutError(f"kv: {payload.nbytes} bytes exceed the segment format's limit of {_MAX_PAYLOAD}")
+    sha = sha256(payload)
+    root = tree_digest(payload, leaf_size=leaf_size, fanout=fanout)
+    name = dtype_name(kv.dtype)
+    shape = tuple(int(s) for s in kv.shape)
+    key = derive_key(model_fingerprint, name, shape, tok, pos, length, chunk_size, sha, root, leaf_size, fanout)
+    fp = model_fingerprint
+    columns = {
+        "format": [FORMAT_NAME], "version": [FORMAT_VERSION], "key": [key],
+        "fingerprint": [{"architecture": fp.architecture, "num_layers": fp.num_layers,
+                         "num_kv_heads": fp.num_kv_heads, "head_size": fp.head_size, "dtype": fp.dtype,
+                         "rope": fp.rope_json()}],
+        "dtype": [name], "shape": [list(shape)], "token_ids": [tok], "positions": [pos],
+        "payload_length": [length], "chunk_size": [chunk_size], "sha256": [sha], "tree_root": [root],
+        "tree_leaf_size": [leaf_size], "tree_fanout": [fanout],
+    }
+    payload_array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(payload.nbytes), 1,
+                                                         [None, pa.py_buffer(payload)])
+    # The payload offset shifts by exactly the change in align_pad; a few rounds settle it.
+    pad, offset = 0, 0
+    for _ in range(6):
+        schema = segment_schema(payload.nbytes, offset)
+        arrays = [pa.array(columns[f.name], type=f.type) for f in schema if f.name not in ("align_pad", "payload")]
+        arrays += [pa.array([bytes(pad)], type=pa.binary()), payload_array]
+        batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, schema) as writer:
+            writer.write_batch(batch)
+        data = sink.getvalue()
+        actual = _payload_offset_in(data)
+        if actual == offset and actual % PAYLOAD_ALIGNMENT == 0:
+            return key, data
+        if actual % PAYLOAD_ALIGNMENT:
+            pad += (-actual) % PAYLOAD_ALIGNMENT
+        offset = actual + (-actual) % PAYLOAD_ALIGNMENT
+    raise IntegrityError(f"segment {key}: could not align the payload in the Arrow file (pyarrow {pa.__version__})")
+
+
+def _payload_offset_in(data: pa.Buffer) -> int:
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    column = reader.get_batch(0).column(reader.schema.get_field_index("payload"))
+    return column.buffers()[1].address - data.address
+
+
+# ----------------------------------------------------------------------------------- decode
+def _fail(name: str, why: str, exc: BaseException | None = None) -> IntegrityError:
+    err = IntegrityError(f"segment {name}: {why}")
+    if exc is not None:
+        err.__cause__ = exc
+    return err
+
+
+def read_schema_head(head, name: str, file_size: int) -> tuple[int, int]:
+    """``(payload_offset, padded_length)`` from the first bytes of a segment file.
+
+    ``head`` holds at least the file's first few KiB (the Arrow magic and the schema message).
+    Raises IntegrityError for anything that is not a KMesh segment file of this version.
+    """
+    view = memoryview(head)
+    if file_size == 0:
+        raise _fail(name, "file is empty")
+    if file_size < 16 or bytes(view[:6]) != ARROW_MAGIC:
+        raise _fail(name, "not an Arrow IPC file (bad magic or truncated)")
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(bytes(view[8:])))
+    except (pa.ArrowException, OSError, ValueError, IndexError) as exc:
+        raise _fail(name, f"unreadable Arrow schema ({exc})", exc) from exc
+    meta = schema.metadata or {}
+    if meta.get(b"kmesh.format") != FORMAT_NAME.encode():
+        raise _fail(name, "not a KMesh segment file (a foreign Arrow file: no kmesh.format metadata)")
+    version = meta.get(b"kmesh.version", b"?")
+    if version != str(FORMAT_VERSION).encode():
+        raise _fail(name, f"segment format version {version.decode(errors='replace')!r}; this reader "
+                          f"understands version {FORMAT_VERSION}")
+    offset_text = meta.get(b"kmesh.payload_offset", b"")
+    if len(offset_text) != _OFFSET_DIGITS or not offset_text.isdigit():
+        raise _fail(name, "malformed kmesh.payload_offset metadata")
+    offset = int(offset_text)
+    idx = schema.get_field_index("payload")
+    ptype = schema.field(idx).type if idx >= 0 else None
+    if ptype is None or not pa.types.is_fixed_size_binary(ptype) or idx != len(schema) - 1:
+        raise _fail(name, "schema has no trailing fixed-size binary payload column")
+    padded = ptype.byte_width
+    if offset <= 0 or offset + padded > file_size:
+        raise _fail(name, f"payload [{offset}, {offset + padded}) lies outside the {file_size}-byte file "
+                          "(truncated?)")
+    return offset, padded
+
+
+def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padded_length: int) -> SegmentHeader:
+    """Parse and check a segment file's metadata.
+
+    ``file_image``: a buffer of the whole file's size whose bytes outside
+    ``[payload_offset, payload_offset + padded_length)`` are the file's (the payload region may be
+    anything: the routes leave it unread). Checks the schema, every field's consistency, the
+    recomputed key and the payload's position; not the payload digests.
+    """
+    size = file_image.size
+    try:
+        reader = pa.ipc.open_file(pa.BufferReader(file_image))
+        if reader.num_record_batches != 1:
+            raise _fail(name, f"expected one record batch, found {reader.num_record_batches}")
+        batch = reader.get_batch(0)
+        expected = segment_schema(padded_length, payload_offset)
+        if not batch.schema.equals(expected, check_metadata=False) or \
+                not reader.schema.equals(expected, check_metadata=True):
+            raise _fail(name, "schema does not match the kmesh-segment schema")
+        if batch.num_rows != 1:
+            raise _fail(name, f"expected one row, found {batch.num_rows}")
+        batch.validate(full=True)
+        payload_col = batch.column(len(expected) - 1)
+        actual_offset = payload_col.buffers()[1].address + payload_col.offset * padded_length - file_image.address
+        row = {f.name: batch.column(i)[0].as_py() for i, f in enumerate(expected)
+               if f.name not in ("payload", "align_pad")}
+    except IntegrityError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, OverflowError) as exc:
+        raise _fail(name, f"corrupt Arrow metadata ({type(exc).__name__}: {exc})", exc) from exc
+    if actual_offset != payload_offset:
+        raise _fail(name, f"payload at file offset {actual_offset}, metadata says {payload_offset}")
+    nulls = [k for k, v in row.items() if v is None or (isinstance(v, dict) and None in v.values())
+             or (isinstance(v, list) and None in v)]
+    if nulls:
+        raise _fail(name, f"null values in fields {nulls}")
+    try:
+        fp_row = dict(row["fingerprint"])
+        fp_row["rope"] = json.loads(fp_row["rope"])
+        fingerprint = ModelFingerprint.from_dict(fp_row)
+        dtype = dtype_name(row["dtype"])
+    except (LayoutError, TypeError, ValueError, KeyError) as exc:
+        raise _fail(name, f"malformed fingerprint or dtype ({exc})", exc) from exc
+    shape = tuple(row["shape"] or ())
+    tok = np.asarray(row["token_ids"] or [], dtype="<i8")
+    pos = np.asarray(row["positions"] or [], dtype="<i8")
+    length, chunk = row["payload_length"], row["chunk_size"]
+    checks = [
+        (row["format"] == FORMAT_NAME and row["version"] == FORMAT_VERSION, "format/version fields"),
+        (len(shape) == 5 and shape[0] == 2 and all(s > 0 for s in shape), f"shape {shape}"),
+        (len(shape) == 5 and shape[1:2] + shape[3:] == (fingerprint.num_layers, fingerprint.num_kv_heads,
+                                                        fingerprint.head_size), "shape vs fingerprint"),
+        (len(shape) == 5 and len(tok) == shape[2] == len(pos), "token_ids/positions length vs shape"),
+        (isinstance(chunk, int) and chunk >= 512 and chunk & (chunk - 1) == 0, f"chunk_size {chunk}"),
+        (len(shape) == 5 and length == math.prod(shape) * SEGMENT_DTYPES[dtype].itemsize, "payload_length"),
+        (isinstance(chunk, int) and chunk > 0 and padded_length == -(-length // chunk) * chunk, "padded length"),
+        (row["tree_leaf_size"] > 0 and row["tree_fanout"] > 1, "tree parameters"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise _fail(name, f"inconsistent metadata: {what}")
+    key = derive_key(fingerprint, dtype, shape, tok, pos, length, chunk, row["sha256"], row["tree_root"],
+                     row["tree_leaf_size"], row["tree_fanout"])
+    if key != row["key"]:
+        raise _fail(name, "metadata does not match its key (a field was altered)")
+    return SegmentHeader(key=key, fingerprint=fingerprint, dtype=dtype, shape=shape, token_ids=tok, positions=pos,
+                         payload_length=length, padded_length=padded_length, chunk_size=chunk,
+                         sha256=row["sha256"], tree_root=row["tree_root"], tree_leaf_size=row["tree_leaf_size"],
+                         tree_fanout=row["tree_fanout"], payload_offset=payload_offset, file_size=size)
+
+
+def check_fingerprint(header: SegmentHeader, model_fingerprint: ModelFingerprint) -> None:
+    if not isinstance(model_fingerprint, ModelFingerprint):
+        raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
+    if header.fingerprint != model_fingerprint:
+        diff = "; ".join(header.fingerprint.differences(model_fingerprint)) or "digest differs"
+        raise FingerprintMismatch(f"segment {header.key}: saved by a different model ({diff})")
+
+
+def check_payload(header: SegmentHeader, payload, *, sha: bool = True, tree: bool = False) -> None:
+    """Check the padded payload bytes on the host against the header's digests."""
+    view = memoryview(payload).cast("B")
+    if view.nbytes != header.padded_length:
+        raise _fail(header.key, f"payload is {view.nbytes} bytes, expected {header.padded_length}")
+    if sha and sha256(view) != header.sha256:
+        raise _fail(header.key, "payload SHA-256 mismatch (corrupt data)")
+    if tree and tree_digest(view, leaf_size=header.tree_leaf_size, fanout=header.tree_fanout) != header.tree_root:
+        raise _fail(header.key, "payload kmesh-tree-sha256 root mismatch (corrupt data)")
+
+
+def segment_from_payload(header: SegmentHeader, payload: torch.Tensor) -> Segment:
+    """A :class:`Segment` whose ``kv`` views ``payload`` (uint8, padded; the caller gives it up)."""
+    return Segment(kv=header.kv_view(payload), token_ids=torch.from_numpy(header.token_ids.astype(np.int64)),
+                   positions=torch.from_numpy(header.positions.astype(np.int64)), key=header.key,
+                   fingerprint=header.fingerprint)
+
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "DEFAULT_CHUNK_SIZE", "PAYLOAD_ALIGNMENT", "ModelFingerprint", "Segment",
+    "SegmentHeader", "segment_schema", "encode_segment", "decode_header", "read_schema_head", "derive_key",
+    "check_fingerprint", "check_payload", "segment_from_payload", "dtype_name", "is_key",
+]

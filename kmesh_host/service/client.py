@@ -1,0 +1,244 @@
+"""The model worker's side of the cache service: :class:`CacheClient` (a context manager).
+
+One client is one connection; its methods are thread-safe (one request in flight at a time).
+Errors come back typed: the service's ``OwnershipError``, ``DrainError``, ``LayoutError``,
+``ProtocolError``, ``SegmentNotFound`` ... are raised here as the same classes. An error that
+concerns a submitted operation carries its id in ``exc.op_id`` (drain it before reusing its blocks).
+
+Ownership of a registered cache stays with the client, which must keep the cache allocated and
+unused by others until :meth:`CacheClient.close_registration` returned ``True`` (every copy into or
+out of it has physically finished and the service has unmapped it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kmesh_gpu.errors import LayoutError, ProtocolError, ServiceError
+
+from . import protocol
+from .memory import MemoryHandle, SharedCache, export_cuda
+
+
+@dataclass(frozen=True)
+class RestoreItem:
+    """One original to restore: its ``key``, the destination ``slots`` (one per token; -1 skips)
+    and, to shift keys, the ``new_positions`` (one per token; needs a RoPE spec at registration)."""
+
+    key: str
+    slots: list
+    new_positions: list | None = None
+
+    def to_dict(self) -> dict:
+        d = {"key": self.key, "slots": _ints("slots", self.slots)}
+        if self.new_positions is not None:
+            d["new_positions"] = _ints("new_positions", self.new_positions)
+        return d
+
+
+@dataclass
+class Registration:
+    """What the client keeps of one registration: the id, its secret and the cache it covers."""
+
+    reg_id: int
+    generation: int
+    secret: str
+    layout: object
+    handle: MemoryHandle
+    cache: torch.Tensor = field(repr=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cache.device.type == "cuda"
+
+
+def _ints(name: str, values) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
+                              f"{list(values.shape)}")
+        return values.tolist()
+    return [int(v) for v in values]
+
+
+class CacheClient:
+    """A connection to the cache service at ``socket_path``.
+
+    ``timeout``: seconds any single reply may take (synchronous copies included).
+    """
+
+    def __init__(self, socket_path: str, *, timeout: float = 120.0,
+                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES):
+        self.socket_path = socket_path
+        self.max_body_bytes = max_body_bytes
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as exc:
+            self._sock.close()
+            raise ServiceError(f"cannot connect to the cache service at {socket_path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ plumbing
+    def call(self, header: dict, body: bytes = b"") -> protocol.Message:
+        """Send one request and return its reply; a typed error reply is raised as its class."""
+        with self._lock:
+            if self._sock is None:
+                raise ServiceError("CacheClient: closed")
+            rid = next(self._ids)
+            try:
+                protocol.send_message(self._sock, {**header, "id": rid}, body, max_body_bytes=self.max_body_bytes)
+                reply = protocol.read_message(self._sock, max_body_bytes=self.max_body_bytes)
+            except (OSError, protocol.ConnectionClosed) as exc:
+                raise ServiceError(f"cache service connection lost during {header.get('op')!r}: {exc}") from exc
+        if reply.header.get("id") != rid:
+            raise ProtocolError(f"reply id {reply.header.get('id')!r} does not match request {rid}")
+        try:
+            protocol.raise_for_reply(reply.header)
+        except Exception as exc:
+            err = reply.header.get("error") or {}
+            exc.op_id = err.get("op")
+            raise
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def __enter__(self) -> "CacheClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _auth(reg: Registration) -> dict:
+        return {"reg": reg.reg_id, "secret": reg.secret}
+
+    @staticmethod
+    def _client_event(reg: Registration) -> dict:
+        """An interprocess event after the client's queued work, so the service's copy waits for it."""
+        if not reg.is_cuda:
+            return {}
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record(torch.cuda.current_stream(reg.cache.device))
+        return {"wait_event": bytes(ev.ipc_handle()).hex(), "_event": ev}
+
+    # ------------------------------------------------------------------ service state and originals
+    def status(self) -> dict:
+        h = dict(self.call({"op": "status"}).header)
+        for k in ("id", "ok"):
+            h.pop(k, None)
+        return h
+
+    def put(self, key: str, kv: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None = None) -> None:
+        """Upload a shared original (``kv`` ``(2, L, T, H, D)``, ``positions`` int64[T]) to the host tier."""
+        tensors = {"kv": kv, "positions": positions}
+        if token_ids is not None:
+            tensors["token_ids"] = token_ids
+        descr, body = protocol.pack_tensors(tensors)
+        self.call({"op": "put", "key": key, "tensors": descr}, body)
+
+    def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Download an original: ``(kv, positions, token_ids or None)`` on the CPU."""
+        reply = self.call({"op": "get", "key": key})
+        d = reply.header.get("tensors", {})
+        kv = protocol.unpack_tensor(d, reply.body, "kv")
+        pos = protocol.unpack_tensor(d, reply.body, "positions")
+        tok = protocol.unpack_tensor(d, reply.body, "token_ids") if "token_ids" in d else None
+        return kv, pos, tok
+
+    def evict(self, key: str) -> bool:
+        return bool(self.call({"op": "evict", "key": key}).header.get("evicted"))
+
+    # ------------------------------------------------------------------ registrations
+    def register(self, cache, layout, *, instance: int = 0, rope=None) -> Registration:
+        """Register a cache the service may write: a CUDA tensor (CUDA IPC) or a :class:`SharedCache`.
+
+        ``cache``: the whole allocation described by ``layout`` (``physical_shape``, ``layout.dtype``).
+        ``rope``: the model's ``kmesh_gpu.RopeSpec``, needed to restore with ``new_positions``.
+        """
+        if isinstance(cache, SharedCache):
+            handle, tensor = cache.handle, cache.tensor
+        elif isinstance(cache, torch.Tensor) and cache.device.type == "cuda":
+            if tuple(cache.shape) != tuple(layout.physical_shape) or cache.dtype != layout.dtype:
+                raise LayoutError(f"cache: expected {list(layout.physical_shape)} {layout.dtype}, got "
+                                  f"{list(cache.shape)} {cache.dtype}")
+            handle, tensor = export_cuda(cache), cache
+        else:
+            raise LayoutError("cache: expected a CUDA tensor or a SharedCache (CPU caches must live in shared memory)")
+        header = {"op": "register", "memory": handle.to_dict(), "layout": layout.to_dict(), "instance": int(instance)}
+        if rope is not None:
+            header["rope"] = rope.to_dict()
+        h = self.call(header).header
+        return Registration(h["reg"], h["generation"], h["secret"], layout, handle, tensor)
+
+    def attach(self, reg: Registration) -> None:
+        """Use ``reg`` (registered by this process) over this connection too."""
+        self.call({"op": "attach", **self._auth(reg)})
+
+    def restore(self, reg: Registration, items, *, wait: bool = True, timeout: float | None = None,
+                model_fingerprint: dict | None = None, inject: dict | None = None) -> int:
+        """Restore originals into the registration's slots; returns the operation id.
+
+        ``wait=True``: returns after the copy has physically finished (the blocks are usable).
+        ``wait=False``: returns once submitted; call :meth:`drain` (or :meth:`acquire`) before
+        reading or reusing the blocks.
+        """
+        items = [it if isinstance(it, RestoreItem) else RestoreItem(*it) for it in items]
+        header = {"op": "restore", **self._auth(reg), "items": [it.to_dict() for it in items], "wait": wait,
+                  "timeout": timeout}
+        if model_fingerprint is not None:
+            header["model_fingerprint"] = model_fingerprint
+        if inject:
+            header["inject"] = inject
+        ev = self._client_event(reg)
+        header.update({k: v for k, v in ev.items() if not k.startswith("_")})
+        return int(self.call(header).header["op"])
+
+    def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
+             timeout: float | None = None, inject: dict | None = None) -> int:
+        """Copy the registration's ``slots`` into a new host original ``key`` (published once drained)."""
+        header = {"op": "save", **self._auth(reg), "key": key, "slots": _ints("slots", slots),
+                  "positions": _ints("positions", positions), "wait": wait, "timeout": timeout}
+        if token_ids is not None:
+            header["token_ids"] = _ints("token_ids", token_ids)
+        if inject:
+            header["inject"] = inject
+        ev = self._client_event(reg)
+        header.update({k: v for k, v in ev.items() if not k.startswith("_")})
+        return int(self.call(header).header["op"])
+
+    def cancel(self, reg: Registration, op_id: int) -> dict:
+        """Discard an operation's result. Its blocks stay held until it has drained."""
+        h = dict(self.call({"op": "cancel", **self._auth(reg), "op_id": int(op_id)}).header)
+        return {k: h[k] for k in ("op", "state", "outcome")}
+
+    def drain(self, reg: Registration, ops=None, *, timeout: float | None = None) -> list[int]:
+        """Wait for the physical completion of ``ops`` (default: all pending) and release their holds."""
+        header = {"op": "drain", **self._auth(reg), "timeout": timeout}
+        if ops is not None:
+            header["ops"] = [int(o) for o in ops]
+        return list(self.call(header).header["drained"])
+
+    def acquire(self, reg: Registration, blocks, *, timeout: float | None = None) -> list[int]:
+        """Wait until no submitted copy can still write ``blocks`` (drains the operations holding
+        them); afterwards the client may recompute into them. Returns the drained operation ids."""
+        header = {"op": "acquire", **self._auth(reg), "blocks": _ints("blocks", blocks), "timeout": timeout}
+        return list(self.call(header).header["drained"])
+
+    def close_registration(self, reg: Registration, *, timeout: float | None = None) -> bool:
+        """Stop new work on ``reg`` and wait up to ``timeout`` for its copies. ``True``: the service
+        has unmapped the cache and the client may free or reuse it; ``False``: copies are still
+        pending (the service keeps waiting for them; ask again, or watch ``status``)."""
+        h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
+        return bool(h["freed"])

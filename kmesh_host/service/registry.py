@@ -1,0 +1,396 @@
+"""Ownership and drain state machine of the cache service (no sockets, no GPU: testable alone).
+
+Who owns what:
+
+* A **registration** is one client allocation the service may write into. Its identity is the
+  allocation's handle bytes plus a generation that grows with every registration, so a later
+  allocation at the same address (even one with equal handle bytes, once the first is freed) is a
+  different registration. It is bound to the registering peer (pid/uid/gid from ``SO_PEERCRED``)
+  and a per-registration secret; the client's ``instance`` number is a label only, so a
+  replacement client that claims the same instance gets a new registration and can never reach the
+  old one.
+* An **operation** (a restore: host original -> client blocks; a save: client blocks -> host
+  buffer) holds its source and its destination from :meth:`Registry.begin` until a wait on its
+  :class:`Completion` has returned ``True``. A failed request, a cancel, a failed or refused wait, a
+  closed registration or a dead client never releases anything: only physical completion does.
+  Draining waits for already submitted work; nothing is ever submitted again.
+* **Close** stops new work at once; the registration's memory is released (``release_memory``
+  callback) only when its last operation has drained. A client whose connections all closed is
+  *orphaned*: the same, driven by :meth:`Registry.reap`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError
+
+
+class Completion(ABC):
+    """Physical completion of work that was already submitted.
+
+    Implementations: a CUDA event recorded after the copy (server), an already finished CPU copy,
+    and test doubles that refuse or fail waits. Called by :class:`Registry` only.
+
+    ``wait(timeout)``: block up to ``timeout`` seconds (``None``: no limit; ``0``: just look).
+    Return ``True`` once the work has physically finished, ``False`` if it is still running at the
+    deadline. Raise :class:`DrainError` when the wait itself failed or was refused; that says
+    nothing about the work, which therefore stays held.
+    """
+
+    @abstractmethod
+    def wait(self, timeout: float | None) -> bool: ...
+
+
+class Finished(Completion):
+    """Work that completed before it was handed over (synchronous CPU copies)."""
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """The kernel's word on who is at the other end of a Unix socket (``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+REG_OPEN, REG_CLOSING, REG_ORPHANED, REG_FREED = "open", "closing", "orphaned", "freed"
+OP_SUBMITTING, OP_PENDING, OP_DRAINED = "submitting", "pending", "drained"
+
+
+@dataclass(eq=False)
+class Registration:
+    generation: int
+    handle_key: bytes
+    identity: PeerIdentity
+    instance: int
+    secret: bytes
+    layout: object  # kmesh_gpu.KVLayout
+    memory: object  # opaque to the registry; handed to release_memory once drained
+    extra: dict = field(default_factory=dict)
+    state: str = REG_OPEN
+    connections: set = field(default_factory=set)
+    held_blocks: dict = field(default_factory=dict)  # block id -> op id
+    ops: dict = field(default_factory=dict)  # op id -> Op, not yet drained
+
+    @property
+    def reg_id(self) -> int:
+        return self.generation
+
+    def describe(self) -> dict:
+        return {"reg": self.reg_id, "generation": self.generation, "instance": self.instance, "pid": self.identity.pid,
+                "state": self.state, "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
+                "held_blocks": sorted(self.held_blocks), "pending_ops": sorted(self.ops)}
+
+
+@dataclass(eq=False)
+class Op:
+    op_id: int
+    reg: Registration
+    kind: str
+    blocks: frozenset
+    sources: tuple
+    state: str = OP_SUBMITTING
+    outcome: str | None = None  # "ok" / "failed" / "cancelled"
+    completion: Completion | None = None
+    wait_failures: int = 0
+    error: str | None = None
+    on_drained: Callable[["Op"], None] | None = None
+    keepalive: list = field(default_factory=list)
+    submitted: threading.Event = field(default_factory=threading.Event)
+
+    def describe(self) -> dict:
+        return {"op": self.op_id, "reg": self.reg.reg_id, "kind": self.kind, "state": self.state,
+                "outcome": self.outcome, "blocks": sorted(self.blocks), "sources": list(self.sources),
+                "wait_failures": self.wait_failures, "error": self.error}
+
+
+class Registry:
+    """Registrations, operations and holds. Thread-safe; waits happen outside the lock.
+
+    ``release_memory(registration)`` is called exactly once per registration, after its last
+    operation drained and it was closed or orphaned. ``now`` is injectable for tests.
+    """
+
+    def __init__(self, release_memory: Callable[[Registration], None], *, now: Callable[[], float] = time.monotonic):
+        self._lock = threading.RLock()
+        self._release_memory = release_memory
+        self._now = now
+        self._next_generation = 1
+        self._next_op = 1
+        self._regs: dict[int, Registration] = {}
+        self._live_handles: dict[bytes, int] = {}
+        self._retired: dict[int, str] = {}
+        self._source_holds: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ registrations
+    def register(self, identity: PeerIdentity, *, instance: int, handle_key: bytes, layout, memory,
+                 extra: dict | None = None) -> Registration:
+        """A new registration with a fresh generation and secret (both returned to the client)."""
+        with self._lock:
+            other = self._live_handles.get(handle_key)
+            if other is not None:
+                raise OwnershipError(f"handle: this allocation is already registration {other} "
+                                     f"({self._regs[other].state}); close it and wait for its drain first")
+            gen = self._next_generation
+            self._next_generation += 1
+            reg = Registration(gen, handle_key, identity, int(instance), secrets.token_bytes(32), layout, memory,
+                               dict(extra or {}))
+            self._regs[gen] = reg
+            self._live_handles[handle_key] = gen
+            return reg
+
+    def authorize(self, reg_id: int, secret: bytes, identity: PeerIdentity, *, for_new_work: bool = True) -> Registration:
+        """The registration ``reg_id`` if ``identity`` owns it and ``secret`` matches.
+
+        ``for_new_work``: also require it to be open (close stops new work; drains and status of a
+        closing registration stay allowed to its owner).
+        """
+        with self._lock:
+            reg = self._regs.get(reg_id)
+            if reg is None:
+                why = self._retired.get(reg_id)
+                raise OwnershipError(f"registration {reg_id}: {why or 'unknown'}")
+            # Compare the secret first and in constant time; then the peer.
+            if not hmac.compare_digest(reg.secret, secret):
+                raise OwnershipError(f"registration {reg_id}: wrong secret")
+            if identity.pid != reg.identity.pid or identity.uid != reg.identity.uid:
+                raise OwnershipError(f"registration {reg_id}: belongs to another client "
+                                     f"(registered by pid {reg.identity.pid}, request from pid {identity.pid})")
+            if for_new_work and reg.state != REG_OPEN:
+                raise OwnershipError(f"registration {reg_id}: {reg.state}; no new work is accepted")
+            return reg
+
+    def attach(self, reg: Registration, conn_id: int) -> None:
+        with self._lock:
+            if reg.state == REG_OPEN:
+                reg.connections.add(conn_id)
+
+    def connection_closed(self, conn_id: int) -> list[Registration]:
+        """Registrations left without any live connection become orphaned (reaped after their drains)."""
+        orphaned = []
+        with self._lock:
+            for reg in list(self._regs.values()):
+                if conn_id in reg.connections:
+                    reg.connections.discard(conn_id)
+                    if not reg.connections and reg.state == REG_OPEN:
+                        reg.state = REG_ORPHANED
+                        orphaned.append(reg)
+            freed = [r for r in orphaned if not r.ops]
+        self._free(freed)
+        return orphaned
+
+    def close(self, reg: Registration) -> bool:
+        """Stop new work on ``reg``. Returns ``True`` when its memory was released now (nothing pending)."""
+        with self._lock:
+            if reg.state == REG_OPEN:
+                reg.state = REG_CLOSING
+            ready = reg.state in (REG_CLOSING, REG_ORPHANED) and not reg.ops
+        if ready:
+            self._free([reg])
+        return ready
+
+    def _free(self, regs: Iterable[Registration]) -> None:
+        to_release = []
+        with self._lock:
+            for reg in regs:
+                if reg.state == REG_FREED or reg.ops:
+                    continue
+                reason = "closed" if reg.state == REG_CLOSING else "reaped after its client went away"
+                reg.state = REG_FREED
+                self._regs.pop(reg.reg_id, None)
+                if self._live_handles.get(reg.handle_key) == reg.reg_id:
+                    del self._live_handles[reg.handle_key]
+                self._retired[reg.reg_id] = reason
+                to_release.append(reg)
+        for reg in to_release:
+            self._release_memory(reg)
+
+    # ------------------------------------------------------------------ bounds
+    @staticmethod
+    def blocks_of_slots(reg: Registration, slots: list[int], *, name: str = "slots") -> frozenset:
+        """Blocks addressed by ``slots`` after bounds and duplicate checks (``-1`` is skipped)."""
+        n_slots, block_size = reg.layout.num_slots, reg.layout.block_size
+        seen = set()
+        for i, s in enumerate(slots):
+            if s == -1:
+                continue
+            if not 0 <= s < n_slots:
+                raise LayoutError(f"{name}[{i}]: slot {s} outside 0..{n_slots - 1} of registration {reg.reg_id}")
+            if s in seen:
+                raise LayoutError(f"{name}[{i}]: slot {s} addressed twice in one request")
+            seen.add(s)
+        return frozenset(s // block_size for s in seen)
+
+    @staticmethod
+    def check_blocks(reg: Registration, blocks: list[int], *, name: str = "blocks") -> frozenset:
+        n = reg.layout.num_blocks
+        for i, b in enumerate(blocks):
+            if not 0 <= b < n:
+                raise LayoutError(f"{name}[{i}]: block {b} outside 0..{n - 1} of registration {reg.reg_id}")
+        return frozenset(blocks)
+
+    # ------------------------------------------------------------------ operations
+    def begin(self, reg: Registration, kind: str, blocks: frozenset, sources: Iterable[str] = ()) -> Op:
+        """Reserve ``blocks`` of ``reg`` and the named sources for one operation (before any submission)."""
+        sources = tuple(sources)
+        with self._lock:
+            if reg.state != REG_OPEN:
+                raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
+            busy = sorted(b for b in blocks if b in reg.held_blocks)
+            if busy:
+                holder = reg.held_blocks[busy[0]]
+                raise OwnershipError(f"blocks {busy[:8]} of registration {reg.reg_id} are held by operation {holder} "
+                                     "until its copy has physically finished; drain it first")
+            op = Op(self._next_op, reg, kind, frozenset(blocks), sources)
+            self._next_op += 1
+            for b in op.blocks:
+                reg.held_blocks[b] = op.op_id
+            for key in sources:
+                self._source_holds[key] = self._source_holds.get(key, 0) + 1
+            reg.ops[op.op_id] = op
+            return op
+
+    def submitted(self, op: Op, completion: Completion | None, *, outcome: str, error: str | None = None,
+                  on_drained: Callable[[Op], None] | None = None, keepalive: Iterable = ()) -> None:
+        """Record what was handed to the device. ``completion=None``: nothing was submitted at all,
+        so the operation releases at once. Otherwise it stays held until a wait succeeds."""
+        with self._lock:
+            op.completion = completion
+            op.outcome = outcome if op.outcome != "cancelled" else "cancelled"
+            op.error = error
+            op.on_drained = on_drained
+            op.keepalive.extend(keepalive)
+            op.state = OP_PENDING
+            op.submitted.set()
+        if completion is None:
+            self._release(op)
+
+    def op(self, reg: Registration, op_id: int) -> Op:
+        with self._lock:
+            op = reg.ops.get(op_id)
+            if op is None:
+                raise OwnershipError(f"operation {op_id}: not pending on registration {reg.reg_id} "
+                                     "(unknown, or already drained)")
+            return op
+
+    def cancel(self, reg: Registration, op_id: int) -> Op:
+        """Discard the operation's result. Its holds stay until its drain: a cancel proves nothing."""
+        with self._lock:
+            op = self.op(reg, op_id)
+            op.outcome = "cancelled"
+            return op
+
+    def pending_ops(self, reg: Registration, blocks: Iterable[int] | None = None) -> list[Op]:
+        with self._lock:
+            if blocks is None:
+                return list(reg.ops.values())
+            ids = {reg.held_blocks[b] for b in blocks if b in reg.held_blocks}
+            return [reg.ops[i] for i in sorted(ids) if i in reg.ops]
+
+    def drain(self, ops: Iterable[Op], timeout: float | None) -> None:
+        """Wait for the physical completion of ``ops`` and release their holds.
+
+        Each operation that is still running at the deadline, or whose wait failed or was refused,
+        keeps its holds and raises :class:`DrainError` (after every operation has been tried).
+        """
+        deadline = None if timeout is None else self._now() + timeout
+        failures = []
+        for op in ops:
+            left = None if deadline is None else max(0.0, deadline - self._now())
+            try:
+                self._drain_one(op, left)
+            except DrainError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise DrainError("; ".join(failures))
+
+    def _drain_one(self, op: Op, timeout: float | None) -> None:
+        if op.state == OP_DRAINED:
+            return
+        if not op.submitted.wait(timeout):
+            with self._lock:
+                op.wait_failures += 1
+            raise DrainError(f"operation {op.op_id}: still being submitted; its buffers stay held")
+        if op.state == OP_DRAINED:
+            return
+        try:
+            finished = op.completion.wait(timeout)
+        except Exception as exc:  # any failure of the wait itself: nothing is known about the work
+            with self._lock:
+                op.wait_failures += 1
+            raise DrainError(f"operation {op.op_id}: wait failed ({exc}); source and destination stay held") from exc
+        if not finished:
+            with self._lock:
+                op.wait_failures += 1
+            raise DrainError(f"operation {op.op_id}: copy still running after {timeout} s; "
+                             "source and destination stay held")
+        self._release(op)
+
+    def _release(self, op: Op) -> None:
+        with self._lock:
+            if op.state == OP_DRAINED:
+                return
+            op.state = OP_DRAINED
+            reg = op.reg
+            for b in op.blocks:
+                if reg.held_blocks.get(b) == op.op_id:
+                    del reg.held_blocks[b]
+            for key in op.sources:
+                n = self._source_holds.get(key, 0) - 1
+                if n > 0:
+                    self._source_holds[key] = n
+                else:
+                    self._source_holds.pop(key, None)
+            reg.ops.pop(op.op_id, None)
+            free_reg = reg.state in (REG_CLOSING, REG_ORPHANED) and not reg.ops
+            callback, op.on_drained = op.on_drained, None
+        if callback is not None:
+            callback(op)
+        op.keepalive.clear()
+        if free_reg:
+            self._free([reg])
+
+    def source_held(self, key: str) -> bool:
+        with self._lock:
+            return self._source_holds.get(key, 0) > 0
+
+    # ------------------------------------------------------------------ reaping and state
+    def reap(self, timeout: float = 0.0) -> list[Registration]:
+        """One pass over closing and orphaned registrations: look at their operations, free the done.
+
+        Returns the registrations still waiting. Failed or refused waits are counted, never fatal.
+        """
+        with self._lock:
+            waiting = [r for r in self._regs.values() if r.state in (REG_CLOSING, REG_ORPHANED)]
+            ops = [op for r in waiting for op in r.ops.values()]
+            idle = [r for r in waiting if not r.ops]
+        self._free(idle)
+        for op in ops:
+            try:
+                self._drain_one(op, timeout)
+            except DrainError:
+                pass
+        with self._lock:
+            return [r for r in self._regs.values() if r.state in (REG_CLOSING, REG_ORPHANED)]
+
+    def registrations(self) -> list[Registration]:
+        with self._lock:
+            return list(self._regs.values())
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            regs = [r.describe() for r in self._regs.values()]
+            ops = [op.describe() for r in self._regs.values() for op in r.ops.values()]
+            return {"registrations": regs, "pending_ops": ops, "held_sources": dict(self._source_holds),
+                    "retired": len(self._retired), "next_generation": self._next_generation}

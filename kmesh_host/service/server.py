@@ -1,0 +1,767 @@
+"""The cache service: a separate process that owns the shared originals and writes client memory.
+
+:class:`CacheService` (parent side, a context manager) starts the service in a process created
+with ``multiprocessing`` *spawn* (never fork: the parent may hold CUDA state and threads) and stops
+it. :func:`run_foreground` runs the same service in the calling process (``kmesh serve``).
+
+Inside the service, one thread per connection reads requests (:mod:`.protocol`), checks the peer
+(``SO_PEERCRED``: same uid as the service), authorises every registration-bound request by peer pid
+and per-registration secret (:mod:`.registry`), bounds-checks every slot and block against the
+registered layout, and only then reserves the blocks and submits copies:
+
+* ``restore``: shared original (host RAM) -> upload -> ``kmesh_gpu.place_many`` (RoPE shift) into
+  the client's blocks, on a service stream that first waits for the client's event;
+* ``save``: the client's blocks -> ``kmesh_gpu.gather`` -> pinned host buffer, published as an
+  original only once the copy has drained.
+
+Each submission ends with a CUDA event (CPU copies are finished when they return); the operation's
+source and destination stay held until a wait on that event succeeds (``drain``, ``acquire``, a
+synchronous request, ``close`` or the reaper for clients that went away).
+
+Fault injection (``allow_fault_injection=True`` only; tests): a request may carry ``inject``:
+``{"spin_cycles": int}`` queues a spin kernel ahead of its copy, ``{"fail_after_submit": true}``
+fails the request after its copy was submitted, ``{"refuse_waits": n}`` refuses the first ``n``
+waits on its completion.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
+
+from . import protocol
+from .memory import DeviceMappings, MemoryHandle, open_handle
+from .registry import Completion, Finished, PeerIdentity, Registry
+from .sources import HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Configuration of one cache service.
+
+    Attributes:
+        socket_path: the Unix socket. Its directory is created with mode 0700 when missing; an
+            existing directory must belong to this user and already be private.
+        store_root: segment store root for originals not in host RAM (``None``: host tier only).
+        host_budget_bytes: bytes of originals the host tier may hold.
+        max_body_bytes: the largest binary body a message may carry.
+        frame_timeout_s: once a frame has begun, each read must progress within this time.
+        max_connections: connections beyond this are refused.
+        reap_interval_s: how often closing and orphaned registrations are checked for completion.
+        shutdown_drain_s: on stop, how long to keep waiting for pending copies before exiting.
+        backend: the ``kmesh_gpu`` placement backend (``"auto"`` by default).
+        allow_fault_injection: honour ``inject`` fields (tests only).
+    """
+
+    socket_path: str
+    store_root: str | None = None
+    host_budget_bytes: int = 1 << 30
+    max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES
+    frame_timeout_s: float = 10.0
+    max_connections: int = 256
+    reap_interval_s: float = 0.05
+    shutdown_drain_s: float = 30.0
+    backend: str = "auto"
+    allow_fault_injection: bool = False
+
+
+# ---------------------------------------------------------------------------------- completions
+class CudaEventCompletion(Completion):
+    """The copy's CUDA event. A timed wait polls ``query`` (CUDA events have no timed wait)."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self._event = event
+
+    def wait(self, timeout: float | None) -> bool:
+        if timeout is None:
+            self._event.synchronize()
+            return True
+        deadline = time.monotonic() + timeout
+        pause = 1e-4
+        while not self._event.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        return True
+
+
+class RefusingCompletion(Completion):
+    """Fault injection: refuses the first ``refusals`` waits, then defers to ``inner``."""
+
+    def __init__(self, inner: Completion, refusals: int):
+        self._inner, self._left = inner, int(refusals)
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._lock:
+            if self._left > 0:
+                self._left -= 1
+                raise DrainError("wait refused (injected fault)")
+        return self._inner.wait(timeout)
+
+
+class InjectedFault(KmeshError):
+    """A failure requested by a test through ``inject``."""
+
+
+# ---------------------------------------------------------------------------------- socket setup
+def prepare_socket_dir(socket_path: str) -> None:
+    """Create the socket's directory private (0700), or check that an existing one is ours and private."""
+    d = os.path.dirname(os.path.abspath(socket_path))
+    if not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+    st = os.stat(d)
+    if st.st_uid != os.getuid():
+        raise ServiceError(f"socket directory {d}: owned by uid {st.st_uid}, not this user ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ServiceError(f"socket directory {d}: mode {stat.S_IMODE(st.st_mode):o} lets others in; "
+                           "use a directory with mode 0700 (or a path whose directory does not exist yet)")
+
+
+def peer_identity(conn: socket.socket) -> PeerIdentity:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerIdentity(pid, uid, gid)
+
+
+def check_peer(peer: PeerIdentity, service_uid: int) -> None:
+    """Only the service's own user may connect (root is not special: it can read the secrets anyway)."""
+    if peer.uid != service_uid:
+        raise OwnershipError(f"peer uid {peer.uid} is not the service's uid {service_uid}")
+
+
+def _bind(socket_path: str) -> socket.socket:
+    prepare_socket_dir(socket_path)
+    if os.path.exists(socket_path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(socket_path)
+        except OSError:
+            os.unlink(socket_path)  # stale socket of a service that is gone
+        else:
+            raise ServiceError(f"socket {socket_path}: another service is already listening")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600, never briefly wider
+    try:
+        sock.bind(socket_path)
+    finally:
+        os.umask(old)
+    os.chmod(socket_path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+# ---------------------------------------------------------------------------------- the service
+class _Service:
+    """Everything that runs inside the service process."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.uid = os.getuid()
+        self.started = time.time()
+        self.cuda = torch.cuda.is_available()
+        store = StoreSource(config.store_root) if config.store_root else None
+        self.sources = TieredSource(HostOriginals(config.host_budget_bytes, pin=self.cuda), store)
+        self.device_mappings = DeviceMappings()
+        self.registry = Registry(self._release_memory)
+        self._stop = threading.Event()
+        self._conn_ids = itertools.count(1)
+        self._conns: dict[int, socket.socket] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._saving: set[str] = set()
+        self._counters = {"requests": 0, "errors": 0, "internal_errors": 0, "refused_peers": 0}
+        self._listener: socket.socket | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._listener = _bind(self.config.socket_path)
+        self._listener.settimeout(0.2)
+        for target, name in ((self._accept_loop, "kmesh-accept"), (self._reap_loop, "kmesh-reaper")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Stop accepting, end connections, then drain every pending copy before releasing memory."""
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+        try:
+            os.unlink(self.config.socket_path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in list(self._threads):
+            t.join(timeout=self.config.shutdown_drain_s)
+        for reg in self.registry.registrations():
+            self.registry.close(reg)
+        deadline = time.monotonic() + self.config.shutdown_drain_s
+        while self.registry.reap(timeout=0.05) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = self.registry.registrations()
+        if left:
+            print(f"kmesh serve: exiting with {len(left)} registrations whose copies never drained",
+                  file=sys.stderr)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn_id = next(self._conn_ids)
+            t = threading.Thread(target=self._serve_connection, args=(conn, conn_id), name=f"kmesh-conn-{conn_id}",
+                                 daemon=True)
+            with self._lock:
+                too_many = len(self._conns) >= self.config.max_connections
+                if not too_many:
+                    self._conns[conn_id] = conn
+                    self._threads = [x for x in self._threads if x.is_alive()]
+                    self._threads.append(t)
+            if too_many:
+                self._refuse(conn, ServiceError(f"too many connections (limit {self.config.max_connections})"))
+                continue
+            t.start()
+
+    def _refuse(self, conn: socket.socket, exc: KmeshError) -> None:
+        try:
+            conn.settimeout(1.0)
+            protocol.send_message(conn, protocol.error_reply(None, exc))
+        except OSError:
+            pass
+        conn.close()
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.config.reap_interval_s):
+            self.registry.reap(timeout=0.0)
+
+    def _release_memory(self, reg) -> None:
+        reg.memory.close()
+
+    # ------------------------------------------------------------------ one connection
+    def _serve_connection(self, conn: socket.socket, conn_id: int) -> None:
+        try:
+            try:
+                peer = peer_identity(conn)
+                check_peer(peer, self.uid)
+            except (OSError, KmeshError) as exc:
+                with self._lock:
+                    self._counters["refused_peers"] += 1
+                self._refuse(conn, exc if isinstance(exc, KmeshError) else ProtocolError(str(exc)))
+                return
+            while not self._stop.is_set():
+                try:
+                    msg = protocol.read_message(conn, max_body_bytes=self.config.max_body_bytes,
+                                                frame_timeout=self.config.frame_timeout_s)
+                except protocol.ConnectionClosed:
+                    return
+                except protocol.FatalFrameError as exc:
+                    self._count("errors")
+                    self._send(conn, protocol.error_reply(None, exc))
+                    return
+                except ProtocolError as exc:
+                    self._count("errors")
+                    if not self._send(conn, protocol.error_reply(None, exc)):
+                        return
+                    continue
+                except OSError:
+                    return
+                header, body = self._dispatch(msg, peer, conn_id)
+                if not self._send(conn, header, body):
+                    return
+        finally:
+            with self._lock:
+                self._conns.pop(conn_id, None)
+            conn.close()
+            self.registry.connection_closed(conn_id)
+
+    def _send(self, conn, header: dict, body: bytes = b"") -> bool:
+        try:
+            protocol.send_message(conn, header, body, max_body_bytes=self.config.max_body_bytes)
+            return True
+        except (OSError, ProtocolError):
+            return False
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _dispatch(self, msg: protocol.Message, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
+        h = msg.header
+        rid = h.get("id") if isinstance(h.get("id"), int) and not isinstance(h.get("id"), bool) else None
+        self._count("requests")
+        handler = _HANDLERS.get(h.get("op")) if isinstance(h.get("op"), str) else None
+        try:
+            if handler is None:
+                raise ProtocolError(f"op: unknown operation {h.get('op')!r}")
+            out, body = handler(self, h, msg.body, peer, conn_id)
+            return {"id": rid, "ok": True, **out}, body
+        except KmeshError as exc:
+            self._count("errors")
+            reply = protocol.error_reply(rid, exc)
+            if getattr(exc, "op_id", None) is not None:
+                reply["error"]["op"] = exc.op_id
+            return reply, b""
+        except Exception as exc:  # a bug or a device failure: report it typed, keep serving
+            self._count("internal_errors")
+            traceback.print_exc(file=sys.stderr)
+            return protocol.error_reply(rid, ServiceError(f"internal error: {type(exc).__name__}: {exc}")), b""
+
+    # ------------------------------------------------------------------ helpers
+    def _authorize(self, h: dict, peer: PeerIdentity, *, for_new_work: bool = True):
+        reg_id = protocol.field(h, "reg", int)
+        secret_hex = protocol.field(h, "secret", str)
+        try:
+            secret = bytes.fromhex(secret_hex)
+        except ValueError as exc:
+            raise OwnershipError(f"registration {reg_id}: wrong secret") from exc
+        return self.registry.authorize(reg_id, secret, peer, for_new_work=for_new_work)
+
+    def _inject(self, h: dict) -> dict:
+        inject = protocol.field(h, "inject", dict, optional=True, default={})
+        if inject and not self.config.allow_fault_injection:
+            raise ProtocolError("inject: fault injection is disabled in this service")
+        for k in inject:
+            if k not in ("spin_cycles", "fail_after_submit", "refuse_waits"):
+                raise ProtocolError(f"inject: unknown fault {k!r}")
+        return inject
+
+    def _device_of(self, reg) -> torch.device:
+        return reg.extra["cache"].device
+
+    def _submit(self, reg, op, h: dict, inject: dict, enqueue, on_drained=None) -> None:
+        """Run ``enqueue(keepalive)`` on the registration's stream and record what was submitted.
+
+        Whatever ``enqueue`` managed to queue is covered by the completion recorded afterwards, also
+        when it raised part-way: a failed request is still drained, never resubmitted.
+        """
+        device = self._device_of(reg)
+        keepalive: list = []
+        error: BaseException | None = None
+        completion: Completion
+        if device.type == "cuda":
+            stream = reg.extra["stream"]
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                try:
+                    event_hex = protocol.field(h, "wait_event", str, optional=True)
+                    if event_hex:
+                        # The client's earlier writes/reads of these blocks come first.
+                        client_event = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(event_hex))
+                        stream.wait_event(client_event)
+                        keepalive.append(client_event)
+                    if inject.get("spin_cycles"):
+                        torch.cuda._sleep(int(inject["spin_cycles"]))
+                    enqueue(keepalive)
+                    if inject.get("fail_after_submit"):
+                        raise InjectedFault("injected failure after the copy was submitted")
+                except BaseException as exc:
+                    error = exc
+                finally:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    completion = CudaEventCompletion(done)
+        else:
+            try:
+                enqueue(keepalive)
+                if inject.get("fail_after_submit"):
+                    raise InjectedFault("injected failure after the copy was submitted")
+            except BaseException as exc:
+                error = exc
+            completion = Finished()
+        if inject.get("refuse_waits"):
+            completion = RefusingCompletion(completion, int(inject["refuse_waits"]))
+        self.registry.submitted(op, completion, outcome="failed" if error else "ok",
+                                error=None if error is None else str(error), keepalive=keepalive,
+                                on_drained=on_drained)
+        if error is not None:
+            if not isinstance(error, KmeshError):
+                error = ServiceError(f"copy failed after submission: {type(error).__name__}: {error}")
+            error.op_id = op.op_id
+            raise error
+
+    def _finish(self, op, h: dict) -> dict:
+        if protocol.field(h, "wait", bool, optional=True, default=True):
+            timeout = protocol.field(h, "timeout", (int, float), optional=True)
+            try:
+                self.registry.drain([op], timeout)
+            except DrainError as exc:
+                exc.op_id = op.op_id
+                raise
+        return {"op": op.op_id, "state": op.state}
+
+    # ------------------------------------------------------------------ handlers
+    def op_status(self, h, body, peer, conn_id):
+        snap = self.registry.snapshot()
+        with self._lock:
+            counters = dict(self._counters)
+            connections = len(self._conns)
+        out = {"healthy": not self._stop.is_set() and self._listener is not None, "pid": os.getpid(),
+               "protocol_version": protocol.VERSION, "uptime_s": round(time.time() - self.started, 3),
+               "socket": self.config.socket_path, "cuda": self.cuda, "connections": connections,
+               "fault_injection": self.config.allow_fault_injection, "counters": counters,
+               "sources": self.sources.stats(), "open_ipc_mappings": len(self.device_mappings), **snap}
+        if self.cuda and torch.cuda.is_initialized():
+            out["device_memory_allocated"] = torch.cuda.memory_allocated()
+        return out, b""
+
+    def op_put(self, h, body, peer, conn_id):
+        key = protocol.field(h, "key", str)
+        tensors = protocol.field(h, "tensors", dict)
+        kv = protocol.unpack_tensor(tensors, body, "kv")
+        positions = protocol.unpack_tensor(tensors, body, "positions")
+        token_ids = protocol.unpack_tensor(tensors, body, "token_ids") if "token_ids" in tensors else None
+        check_segment(kv, positions, token_ids)
+        with self._lock:
+            if key in self._saving:
+                raise OwnershipError(f"key {key!r}: a save into it is still pending")
+        self.sources.put(key, SourceSegment(kv, positions, token_ids))
+        return {"key": key}, b""
+
+    def op_get(self, h, body, peer, conn_id):
+        key = protocol.field(h, "key", str)
+        seg = self.sources.get(key, model_fingerprint=protocol.field(h, "model_fingerprint", dict, optional=True))
+        tensors = {"kv": seg.kv, "positions": seg.positions}
+        if seg.token_ids is not None:
+            tensors["token_ids"] = seg.token_ids
+        descr, payload = protocol.pack_tensors(tensors)
+        return {"key": key, "tensors": descr}, payload
+
+    def op_evict(self, h, body, peer, conn_id):
+        key = protocol.field(h, "key", str)
+        if self.registry.source_held(key):
+            raise OwnershipError(f"key {key!r}: held by a pending operation until its copy has drained")
+        return {"key": key, "evicted": self.sources.delete(key)}, b""
+
+    def op_register(self, h, body, peer, conn_id):
+        from kmesh_gpu import KVLayout, RopeSpec
+
+        handle = MemoryHandle.from_dict(protocol.field(h, "memory", dict))
+        layout = KVLayout.from_dict(protocol.field(h, "layout", dict))
+        rope_d = protocol.field(h, "rope", dict, optional=True)
+        rope = RopeSpec.from_dict(rope_d) if rope_d is not None else None
+        instance = protocol.field(h, "instance", int, optional=True, default=0)
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        need = 1
+        for s in layout.physical_shape:
+            need *= s
+        if need * itemsize != handle.nbytes:
+            raise LayoutError(f"memory.nbytes: {handle.nbytes} bytes registered, the layout's physical shape "
+                              f"{list(layout.physical_shape)} of {layout.dtype} needs {need * itemsize}")
+        if rope is not None and rope.head_size != layout.head_size:
+            raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
+        mapping = open_handle(handle, self.device_mappings)
+        try:
+            cache = mapping.cache(layout)
+            extra = {"cache": cache, "rope": rope}
+            if cache.device.type == "cuda":
+                extra["stream"] = torch.cuda.Stream(device=cache.device)
+            reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
+                                         memory=mapping, extra=extra)
+        except BaseException:
+            mapping.close()
+            raise
+        self.registry.attach(reg, conn_id)
+        return {"reg": reg.reg_id, "generation": reg.generation, "secret": reg.secret.hex()}, b""
+
+    def op_attach(self, h, body, peer, conn_id):
+        reg = self._authorize(h, peer)
+        self.registry.attach(reg, conn_id)
+        return {"reg": reg.reg_id}, b""
+
+    def op_restore(self, h, body, peer, conn_id):
+        from kmesh_gpu import place_many
+
+        reg = self._authorize(h, peer)
+        inject = self._inject(h)
+        items = protocol.field(h, "items", list)
+        if not items:
+            raise ProtocolError("items: expected at least one restore item")
+        rope = reg.extra["rope"]
+        layout = reg.layout
+        L, _, H, _, D = layout.sizes
+        parsed, all_slots = [], []
+        fingerprint = protocol.field(h, "model_fingerprint", dict, optional=True)
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ProtocolError(f"items[{i}]: expected an object")
+            key = protocol.field(item, "key", str)
+            slots = protocol.int_list(item, "slots")
+            new_pos = protocol.int_list(item, "new_positions", optional=True)
+            seg = self.sources.get(key, model_fingerprint=fingerprint)
+            T = seg.kv.shape[2]
+            if tuple(seg.kv.shape) != (2, L, T, H, D) or seg.kv.dtype != layout.dtype:
+                raise LayoutError(f"items[{i}]: original {key!r} is {tuple(seg.kv.shape)} {seg.kv.dtype}, the "
+                                  f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
+            if len(slots) != T:
+                raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {len(slots)}")
+            if new_pos is not None:
+                if rope is None:
+                    raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
+                if len(new_pos) != T:
+                    raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {len(new_pos)}")
+                bad = [p for p in new_pos if not 0 <= p < rope.num_positions]
+                if bad:
+                    raise LayoutError(f"items[{i}].new_positions: {bad[0]} outside [0, {rope.num_positions})")
+            parsed.append((key, seg, slots, new_pos))
+            all_slots.extend(slots)
+        blocks = self.registry.blocks_of_slots(reg, all_slots, name="items[*].slots")
+        op = self.registry.begin(reg, "restore", blocks, [p[0] for p in parsed])
+        cache = reg.extra["cache"]
+
+        def enqueue(keepalive):
+            device = cache.device
+            groups = {True: ([], [], [], []), False: ([], [], [], [])}
+            for key, seg, slots, new_pos in parsed:
+                kv = seg.kv.to(device, non_blocking=True) if device.type == "cuda" else seg.kv
+                keepalive.append(kv)
+                g = groups[new_pos is not None]
+                g[0].append(kv)
+                g[1].append(torch.tensor(slots, dtype=torch.int64))
+                g[2].append(seg.positions)
+                g[3].append(torch.tensor(new_pos, dtype=torch.int64) if new_pos is not None else None)
+            for shifted, (kvs, slot_ts, old, new) in groups.items():
+                if not kvs:
+                    continue
+                if shifted:
+                    place_many(kvs, cache, layout, slot_ts, rope=rope, old_positions=old, new_positions=new,
+                               backend=self.config.backend)
+                else:
+                    place_many(kvs, cache, layout, slot_ts, backend=self.config.backend)
+
+        self._submit(reg, op, h, inject, enqueue)
+        return self._finish(op, h), b""
+
+    def op_save(self, h, body, peer, conn_id):
+        from kmesh_gpu import gather
+
+        reg = self._authorize(h, peer)
+        inject = self._inject(h)
+        key = protocol.field(h, "key", str)
+        slots = protocol.int_list(h, "slots")
+        positions = torch.tensor(protocol.int_list(h, "positions"), dtype=torch.int64)
+        token_list = protocol.int_list(h, "token_ids", optional=True)
+        token_ids = None if token_list is None else torch.tensor(token_list, dtype=torch.int64)
+        if -1 in slots:
+            raise LayoutError("slots: a save reads real slots only (-1 is not allowed)")
+        if positions.shape[0] != len(slots) or (token_ids is not None and token_ids.shape[0] != len(slots)):
+            raise LayoutError(f"positions/token_ids: expected {len(slots)} entries (one per slot)")
+        blocks = self.registry.blocks_of_slots(reg, slots)
+        with self._lock:
+            if key in self._saving or self.sources.host.contains(key):
+                raise OwnershipError(f"key {key!r}: already present or being saved; originals are immutable")
+            self._saving.add(key)
+        try:
+            op = self.registry.begin(reg, "save", blocks, [key])
+        except BaseException:
+            with self._lock:
+                self._saving.discard(key)
+            raise
+        cache, layout = reg.extra["cache"], reg.layout
+        host_box: list = []
+
+        def enqueue(keepalive):
+            slot_t = torch.tensor(slots, dtype=torch.int64)
+            kv = gather(cache, layout, slot_t, backend=self.config.backend)
+            if cache.device.type == "cuda":
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                host.copy_(kv, non_blocking=True)
+                keepalive.extend((kv, host))
+            else:
+                host = kv
+            host_box.append(host)
+
+        def publish(drained_op):
+            # Runs once the copy has physically finished; a failed or cancelled save is only freed.
+            try:
+                if drained_op.outcome == "ok" and host_box:
+                    self.sources.put(key, SourceSegment(host_box[0], positions, token_ids))
+            finally:
+                host_box.clear()
+                with self._lock:
+                    self._saving.discard(key)
+
+        self._submit(reg, op, h, inject, enqueue, on_drained=publish)
+        return self._finish(op, h), b""
+
+    def op_cancel(self, h, body, peer, conn_id):
+        reg = self._authorize(h, peer, for_new_work=False)
+        op = self.registry.cancel(reg, protocol.field(h, "op_id", int))
+        return {"op": op.op_id, "state": op.state, "outcome": op.outcome}, b""
+
+    def op_drain(self, h, body, peer, conn_id):
+        reg = self._authorize(h, peer, for_new_work=False)
+        ids = protocol.int_list(h, "ops", optional=True)
+        ops = self.registry.pending_ops(reg) if ids is None else [self.registry.op(reg, i) for i in ids]
+        self.registry.drain(ops, protocol.field(h, "timeout", (int, float), optional=True))
+        return {"drained": [op.op_id for op in ops]}, b""
+
+    def op_acquire(self, h, body, peer, conn_id):
+        reg = self._authorize(h, peer)
+        blocks = self.registry.check_blocks(reg, protocol.int_list(h, "blocks"))
+        ops = self.registry.pending_ops(reg, blocks)
+        self.registry.drain(ops, protocol.field(h, "timeout", (int, float), optional=True))
+        return {"blocks": sorted(blocks), "drained": [op.op_id for op in ops]}, b""
+
+    def op_close(self, h, body, peer, conn_id):
+        reg = self._authorize(h, peer, for_new_work=False)
+        self.registry.close(reg)
+        timeout = protocol.field(h, "timeout", (int, float), optional=True)
+        try:
+            self.registry.drain(self.registry.pending_ops(reg), timeout)
+        except DrainError:
+            pass  # stays closing: the reaper keeps waiting; the reply says what is still pending
+        freed = reg.state == "freed"
+        return {"reg": reg.reg_id, "freed": freed, "pending_ops": sorted(reg.ops)}, b""
+
+
+_HANDLERS = {
+    "status": _Service.op_status, "put": _Service.op_put, "get": _Service.op_get, "evict": _Service.op_evict,
+    "register": _Service.op_register, "attach": _Service.op_attach, "restore": _Service.op_restore,
+    "save": _Service.op_save, "cancel": _Service.op_cancel, "drain": _Service.op_drain,
+    "acquire": _Service.op_acquire, "close": _Service.op_close,
+}
+
+
+# ---------------------------------------------------------------------------------- processes
+def _service_process_main(config: ServiceConfig, ready, stop) -> None:
+    """Entry point of the spawned service process."""
+    try:
+        service = _Service(config)
+        service.start()
+    except BaseException as exc:
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        ready.close()
+        return
+    ready.send(("ready", os.getpid()))
+    ready.close()
+    stop.wait()
+    service.stop()
+
+
+def run_foreground(config: ServiceConfig, *, on_ready=None) -> int:
+    """Run the service in this process until SIGINT/SIGTERM (``kmesh serve``)."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        service = _Service(config)
+        service.start()
+        if on_ready is not None:
+            on_ready(service)
+        while not stop.wait(0.5):
+            pass
+        service.stop()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0
+
+
+class CacheService:
+    """The cache service in its own spawned process; a context manager.
+
+    ``with CacheService(ServiceConfig(socket_path=...)) as svc:`` starts it and waits until its
+    socket accepts connections; leaving the block asks it to stop (it drains every pending copy
+    before releasing memory), joins it with a timeout and kills it if it does not exit.
+    """
+
+    def __init__(self, config: ServiceConfig, *, start_timeout_s: float = 120.0):
+        if not isinstance(config, ServiceConfig):
+            raise ServiceError(f"config: expected a ServiceConfig, got {type(config).__name__}")
+        self.config = config
+        self.start_timeout_s = start_timeout_s
+        self._proc = None
+        self._stop = None
+
+    @property
+    def socket_path(self) -> str:
+        return self.config.socket_path
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def start(self) -> "CacheService":
+        import multiprocessing as mp
+
+        if self._proc is not None:
+            raise ServiceError("CacheService.start: already started")
+        ctx = mp.get_context("spawn")
+        receiver, sender = ctx.Pipe(duplex=False)
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_service_process_main, args=(self.config, sender, self._stop),
+                                 name="kmesh-cache-service", daemon=True)
+        self._proc.start()
+        sender.close()
+        try:
+            if not receiver.poll(self.start_timeout_s):
+                raise ServiceError(f"cache service did not start within {self.start_timeout_s} s")
+            status, detail = receiver.recv()
+        except (EOFError, OSError) as exc:
+            self._proc.join(5)
+            code = self._proc.exitcode
+            self._kill()
+            raise ServiceError(f"cache service exited during start-up (exit code {code})") from exc
+        except ServiceError:
+            self._kill()
+            raise
+        finally:
+            receiver.close()
+        if status != "ready":
+            self._proc.join(5)
+            self._kill()
+            raise ServiceError(f"cache service failed to start: {detail}")
+        return self
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Ask the service to drain and exit; kill it if it has not exited after ``timeout_s``."""
+        if self._proc is None:
+            return
+        if timeout_s is None:
+            timeout_s = self.config.shutdown_drain_s + 15.0
+        self._stop.set()
+        self._proc.join(timeout_s)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
+        self._proc = None
+
+    def __enter__(self) -> "CacheService":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,185 @@
+"""Where the cache service finds the shared originals it restores from.
+
+The contract is :class:`SourceProvider`; the service holds one :class:`TieredSource`: the
+host-RAM tier (:class:`HostOriginals`) first, then, when a store root is configured, the segment store
+(:class:`StoreSource`), whose hits are retained in the host tier for later children.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kmesh_gpu.errors import KmeshError, LayoutError, SegmentNotFound
+
+
+@dataclass(frozen=True)
+class SourceSegment:
+    """One shared original, never modified once published.
+
+    Attributes:
+        kv: ``(2, L, T, H, D)`` in the model dtype, on the CPU (pinned where CUDA is present);
+            keys post-RoPE at ``positions``.
+        positions: ``int64[T]``, the positions the keys were rotated for.
+        token_ids: ``int64[T]`` or ``None``.
+    """
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    token_ids: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def check_segment(kv: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> None:
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise LayoutError(f"kv: expected (2, L, T, H, D), got {tuple(kv.shape)}")
+    T = kv.shape[2]
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (T,):
+        raise LayoutError(f"positions: expected int64[T={T}], got {str(positions.dtype).removeprefix('torch.')}"
+                          f"{list(positions.shape)}")
+    if token_ids is not None and (token_ids.dtype != torch.int64 or tuple(token_ids.shape) != (T,)):
+        raise LayoutError(f"token_ids: expected int64[T={T}], got {str(token_ids.dtype).removeprefix('torch.')}"
+                          f"{list(token_ids.shape)}")
+
+
+class SourceProvider(ABC):
+    """Shared originals by key. Called by the cache service's request handlers (any thread).
+
+    * ``get(key, *, model_fingerprint=None) -> SourceSegment`` — for every restore item; raises
+      :class:`SegmentNotFound` (or an ``IntegrityError`` from a store) when it cannot supply it.
+    * ``put(key, segment)`` — publishes an upload or a drained save; raises :class:`KmeshError`
+      when the provider cannot take it (read-only, over budget).
+    * ``delete(key) -> bool`` — called by ``evict`` after the registry confirmed no pending
+      operation holds the key.
+    * ``stats() -> dict`` — for ``status``.
+    """
+
+    @abstractmethod
+    def get(self, key: str, *, model_fingerprint=None) -> SourceSegment: ...
+
+    @abstractmethod
+    def put(self, key: str, segment: SourceSegment) -> None: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> dict: ...
+
+
+class HostOriginals(SourceProvider):
+    """The service's host-RAM tier of originals (immutable once put), in host RAM, up to ``budget_bytes``. ``pin``: page-lock them for async uploads."""
+
+    def __init__(self, budget_bytes: int, *, pin: bool = False):
+        self.budget_bytes = int(budget_bytes)
+        self._pin = pin
+        self._lock = threading.Lock()
+        self._items: dict[str, SourceSegment] = {}
+        self._bytes = 0
+
+    def get(self, key: str, *, model_fingerprint=None) -> SourceSegment:
+        with self._lock:
+            seg = self._items.get(key)
+        if seg is None:
+            raise SegmentNotFound(f"key {key!r}: not in the host tier")
+        return seg
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def put(self, key: str, segment: SourceSegment) -> None:
+        check_segment(segment.kv, segment.positions, segment.token_ids)
+        kv = segment.kv.contiguous()
+        if self._pin and not kv.is_pinned():
+            kv = kv.pin_memory()
+        segment = SourceSegment(kv, segment.positions.clone(), None if segment.token_ids is None else segment.token_ids.clone())
+        with self._lock:
+            if key in self._items:
+                raise KmeshError(f"key {key!r}: already present; originals are immutable (evict it first)")
+            if self._bytes + segment.nbytes > self.budget_bytes:
+                raise KmeshError(f"key {key!r}: {segment.nbytes} bytes exceed the host budget "
+                                 f"({self._bytes} of {self.budget_bytes} used)")
+            self._items[key] = segment
+            self._bytes += segment.nbytes
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            seg = self._items.pop(key, None)
+            if seg is not None:
+                self._bytes -= seg.nbytes
+            return seg is not None
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"host_keys": len(self._items), "host_bytes": self._bytes, "host_budget_bytes": self.budget_bytes}
+
+
+class StoreSource(SourceProvider):
+    """Read-only adapter over ``kmesh_host.SegmentStore`` (Arrow segment files)."""
+
+    def __init__(self, root: str):
+        from kmesh_host import SegmentStore  # the store is optional for the service
+
+        self.root = root
+        self._store = SegmentStore(root)
+
+    def get(self, key: str, *, model_fingerprint=None) -> SourceSegment:
+        from kmesh_host import ModelFingerprint
+
+        if model_fingerprint is None:
+            raise KmeshError(f"key {key!r}: reading the segment store needs the request's model_fingerprint")
+        if isinstance(model_fingerprint, dict):
+            model_fingerprint = ModelFingerprint.from_dict(model_fingerprint)
+        seg = self._store.get(key, model_fingerprint=model_fingerprint)
+        token_ids = getattr(seg, "token_ids", None)
+        return SourceSegment(seg.kv, torch.as_tensor(seg.positions, dtype=torch.int64),
+                             None if token_ids is None else torch.as_tensor(token_ids, dtype=torch.int64))
+
+    def put(self, key: str, segment: SourceSegment) -> None:
+        raise KmeshError("the segment store is read-only through the cache service; save with SegmentStore.put")
+
+    def delete(self, key: str) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {"store_root": self.root}
+
+
+class TieredSource(SourceProvider):
+    """The host tier first, then the store; store hits are retained in the host tier when they fit."""
+
+    def __init__(self, host: HostOriginals, store: SourceProvider | None = None):
+        self.host = host
+        self.store = store
+
+    def get(self, key: str, *, model_fingerprint=None) -> SourceSegment:
+        try:
+            return self.host.get(key)
+        except SegmentNotFound:
+            if self.store is None:
+                raise
+        seg = self.store.get(key, model_fingerprint=model_fingerprint)
+        try:
+            self.host.put(key, seg)
+            return self.host.get(key)
+        except KmeshError:  # over budget or raced with another loader: serve the store's copy
+            return seg
+
+    def put(self, key: str, segment: SourceSegment) -> None:
+        self.host.put(key, segment)
+
+    def delete(self, key: str) -> bool:
+        return self.host.delete(key)
+
+    def stats(self) -> dict:
+        out = self.host.stats()
+        if self.store is not None:
+            out.update(self.store.stats())
+        return out

@@ -1,0 +1,72 @@
+"""Singleflight: concurrent calls for one key share a single execution.
+
+The first caller of :meth:`SingleFlight.do` for a key runs the function; callers arriving while it
+runs wait and receive its result, or its exception (each joiner re-raises the same exception
+object, so typed errors such as IntegrityError reach everyone). When the call ends the key is
+forgotten, so the next call runs again: this joins loads in flight, it is not a cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Hashable
+
+
+class _Call:
+    __slots__ = ("done", "result", "error", "joiners")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.joiners = 0
+
+
+class SingleFlight:
+    """Joins concurrent executions per key (thread-safe; one instance per resource family)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls: dict[Hashable, _Call] = {}
+
+    def do(self, key: Hashable, fn: Callable[[], Any]) -> tuple[Any, bool]:
+        """Run ``fn()`` once for all concurrent callers of ``key``; returns ``(result, joined)``.
+
+        ``joined`` is False for the caller that ran ``fn`` and True for those that waited on it.
+        """
+        with self._lock:
+            call = self._calls.get(key)
+            leader = call is None
+            if leader:
+                call = self._calls[key] = _Call()
+            else:
+                call.joiners += 1
+        if not leader:
+            call.done.wait()
+            if call.error is not None:
+                raise call.error
+            return call.result, True
+        try:
+            call.result = fn()
+        except BaseException as exc:
+            call.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._calls[key]
+            call.done.set()
+        return call.result, False
+
+    def waiting(self, key: Hashable) -> int:
+        """How many callers are waiting on the execution in flight for ``key`` (0 if none)."""
+        with self._lock:
+            call = self._calls.get(key)
+            return call.joiners if call is not None else 0
+
+    def in_flight(self) -> int:
+        """How many keys are being executed now (tests use it to check nothing is left behind)."""
+        with self._lock:
+            return len(self._calls)
+
+
+__all__ = ["SingleFlight"]

@@ -1,0 +1,430 @@
+"""Host-RAM tier: segment payloads held in (pinned) host buffers, shared by the children that use them.
+
+* **Buffer pool** — page-aligned host buffers within a byte budget, page-locked when CUDA is
+  available (``HostTierConfig.pin``), kept for reuse after release because pinning is slow.
+* **Retention** — a loaded segment stays after the child that loaded it is done, so later
+  children restore it from RAM (``retain=True``); with ``retain=False`` it goes with its last lease.
+  Unreferenced entries are dropped least-recently-used first when the budget needs room, and
+  :meth:`HostTier.evict` drops them on request (benchmarks force reads that way).
+* **Singleflight** — concurrent :meth:`HostTier.acquire` calls for one key do one read; its
+  failure reaches every waiter, and a failed load returns its buffer to the pool.
+
+Ownership: the tier owns every buffer. A :class:`HostLease` keeps its entry's buffer alive until
+:meth:`HostLease.release` (or the ``with`` block ends); an async copy that reads a lease's payload is
+recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only after that event.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kmesh_gpu.errors import BudgetExceeded, KmeshError
+
+from .direct_io import DirectFile, HostBuffer, ReadEngine, round_up
+from .segment import ModelFingerprint, SegmentHeader, check_fingerprint, check_payload
+from .singleflight import SingleFlight
+from .store import SegmentStore
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """Configuration of one :class:`HostTier`.
+
+    Attributes:
+        budget_bytes: most bytes of host buffers the tier holds (in use and cached for reuse).
+        pin: page-lock buffers; ``None`` means "when CUDA is available".
+        retain: keep segments after their last lease (retention across children).
+        singleflight: join concurrent loads of one key into one read.
+        verify: host check of each loaded payload: ``"sha256"``, ``"tree"`` or ``"none"`` (use
+            ``"none"`` only when the consumer verifies on the device, as the routes do).
+        o_direct: read with O_DIRECT where the filesystem allows it.
+        read_threads, chunk_bytes: the read thread pool and its chunk size.
+        parallel_loads: threads running :meth:`HostTier.acquire_async` (objects loaded at once).
+    """
+
+    budget_bytes: int = 1 << 30
+    pin: bool | None = None
+    retain: bool = True
+    singleflight: bool = True
+    verify: str = "sha256"
+    o_direct: bool = True
+    read_threads: int = 4
+    chunk_bytes: int = 1 << 20
+    parallel_loads: int = 4
+
+    def __post_init__(self):
+        if self.verify not in ("sha256", "tree", "none"):
+            raise ValueError(f"verify: expected 'sha256', 'tree' or 'none', got {self.verify!r}")
+        if self.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes: expected a positive size, got {self.budget_bytes}")
+
+
+class BufferPool:
+    """Host buffers within ``budget`` bytes; released buffers are cached for reuse by size.
+
+    ``reclaim(nbytes)`` is called (without the pool's lock) when a request does not fit; it may
+    release buffers (the tier evicts unreferenced entries) and returns how many bytes it released.
+    """
+
+    def __init__(self, budget: int, *, pin: bool, reclaim: Callable[[int], int] | None = None):
+        self.budget = budget
+        self.pin = pin
+        self._reclaim = reclaim
+        self._lock = threading.Lock()
+        self._free: dict[int, list[HostBuffer]] = {}
+        self.held_bytes = 0
+        self.in_use_bytes = 0
+        self.allocations = 0
+
+    def _trim_locked(self, need: int) -> list[HostBuffer]:
+        dropped = []
+        for size in sorted(self._free, reverse=True):
+            while self._free[size] and self.held_bytes + need > self.budget:
+                buf = self._free[size].pop()
+                self.held_bytes -= buf.nbytes
+                dropped.append(buf)
+        self._free = {s: v for s, v in self._free.items() if v}
+        return dropped
+
+    def acquire(self, nbytes: int, *, name: str = "") -> HostBuffer:
+        size = round_up(nbytes)
+        if size > self.budget:
+            raise BudgetExceeded(f"segment {name}: {size} bytes exceed the host tier budget of {self.budget}")
+        for attempt in range(2):
+            with self._lock:
+                cached = self._free.get(size)
+                if cached:
+                    buf = cached.pop()
+                    self.in_use_bytes += size
+                    reuse = True
+                else:
+                    reuse = False
+                    dropped = self._trim_locked(size)
+                    fits = self.held_bytes + size <= self.budget
+                    if fits:
+                        self.held_bytes += size
+                        self.in_use_bytes += size
+            if reuse:
+                buf.wait()
+                return buf
+            for old in dropped:
+                old.close()
+            if fits:
+                try:
+                    buf = HostBuffer(size, pin=self.pin)
+                except BaseException:
+                    with self._lock:
+                        self.held_bytes -= size
+                        self.in_use_bytes -= size
+                    raise
+                self.allocations += 1
+                return buf
+            if attempt == 0 and self._reclaim is not None:
+                self._reclaim(size)
+        raise BudgetExceeded(f"segment {name}: {size} bytes do not fit in the host tier budget of {self.budget} "
+                             f"({self.in_use_bytes} bytes are held by live leases)")
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._lock:
+            self.in_use_bytes -= buf.nbytes
+            self._free.setdefault(buf.nbytes, []).append(buf)
+
+    def trim(self) -> None:
+        """Free every cached (unused) buffer."""
+        with self._lock:
+            dropped = [b for v in self._free.values() for b in v]
+            self._free.clear()
+            self.held_bytes -= sum(b.nbytes for b in dropped)
+        for b in dropped:
+            b.close()
+
+    def close(self) -> None:
+        self.trim()
+
+
+class _Entry:
+    __slots__ = ("key", "header", "buffer", "lead", "refs", "in_map", "dropped", "evict_on_release", "o_direct",
+                 "note")
+
+    def __init__(self, key: str, header: SegmentHeader, buffer: HostBuffer, lead: int, o_direct: bool, note):
+        self.key, self.header, self.buffer, self.lead = key, header, buffer, lead
+        self.refs = 0
+        self.in_map = False
+        self.dropped = False  # its buffer went back to the pool
+        self.evict_on_release = False
+        self.o_direct, self.note = o_direct, note
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.buffer.tensor[self.lead: self.lead + self.header.padded_length]
+
+
+class HostLease:
+    """One holder's use of a tier entry. ``payload``: uint8[padded_length] host tensor (pinned when
+    the tier pins); ``kv``: its ``(2, L, T, H, D)`` view. ``source``: ``"hit"`` (already resident),
+    ``"read"`` (this call read it from storage) or ``"joined"`` (waited on another call's read).
+    """
+
+    def __init__(self, tier: "HostTier", entry: _Entry, source: str):
+        self._tier, self._entry, self.source = tier, entry, source
+        self.key, self.header = entry.key, entry.header
+        self.o_direct, self.io_note = entry.o_direct, entry.note
+
+    @property
+    def payload(self) -> torch.Tensor:
+        if self._entry is None:
+            raise KmeshError(f"segment {self.key}: lease already released")
+        return self._entry.payload
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.header.kv_view(self.payload)
+
+    def fence(self, event) -> None:
+        """Record that an async copy reading ``payload`` completes when CUDA ``event`` does."""
+        if self._entry is not None:
+            self._entry.buffer.set_fence(event)
+
+    def release(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            self._tier._release(entry)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class HostTier:
+    """Segments of one :class:`SegmentStore` held in host RAM (see the module docstring).
+
+    ``acquire`` is the one entry point children use; ``evict`` is for benchmarks and memory
+    pressure; ``stats`` counts ``reads`` (loads from storage), ``bytes_read``, ``hits``, ``joins``,
+    ``failures`` and ``evictions``.
+    """
+
+    def __init__(self, store: SegmentStore, config: HostTierConfig = HostTierConfig()):
+        self.store = store
+        self.config = config
+        self.pin = torch.cuda.is_available() if config.pin is None else bool(config.pin)
+        self.pool = BufferPool(config.budget_bytes, pin=self.pin, reclaim=self._reclaim)
+        self._engine = ReadEngine(config.read_threads, config.chunk_bytes)
+        # Separate from the read pool: a load waits on its chunk reads there.
+        self._loader = ThreadPoolExecutor(max(1, config.parallel_loads), thread_name_prefix="kmesh-load")
+        self._flight = SingleFlight()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.stats = {"reads": 0, "bytes_read": 0, "hits": 0, "joins": 0, "failures": 0, "evictions": 0}
+        self._closed = False
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self, key: str, *, model_fingerprint: ModelFingerprint,
+                on_chunk: Callable[[torch.Tensor, int, int], None] | None = None) -> HostLease:
+        """Lease segment ``key``'s payload in host RAM, reading it from the store if not resident.
+
+        ``on_chunk(chunk, start, stop)`` is called in this thread for each chunk of the payload as
+        it arrives, in order, when *this* call reads it (``chunk`` is the uint8 host tensor of
+        payload bytes ``[start, stop)``); the routes start H2D copies from it.
+        Raises SegmentNotFound / FingerprintMismatch / IntegrityError / BudgetExceeded.
+        """
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        for _ in range(8):
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    check_fingerprint(entry.header, model_fingerprint)
+                    entry.refs += 1
+                    self._entries.move_to_end(key)
+                    self.stats["hits"] += 1
+                    return HostLease(self, entry, "hit")
+            if self.config.singleflight:
+                entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, on_chunk))
+            else:
+                entry, joined = self._load(key, model_fingerprint, on_chunk), False
+            with self._lock:
+                # Budget pressure may have dropped a fresh entry before its caller got to it; a
+                # leader whose key was already resident keeps its own copy privately.
+                if not entry.dropped and (entry.in_map or not joined):
+                    check_fingerprint(entry.header, model_fingerprint)
+                    entry.refs += 1
+                    if joined:
+                        self.stats["joins"] += 1
+                    return HostLease(self, entry, "joined" if joined else "read")
+        raise BudgetExceeded(f"segment {key}: evicted repeatedly before it could be leased (budget too small)")
+
+    def acquire_async(self, key: str, *, model_fingerprint: ModelFingerprint,
+                      on_chunk: Callable[[torch.Tensor, int, int], None] | None = None) -> "Future[HostLease]":
+        """:meth:`acquire` on the tier's loader threads, so several objects load at once.
+
+        ``on_chunk`` then runs on a loader thread. The caller must take the lease from the future
+        (and release it) even when it no longer needs it.
+        """
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        return self._loader.submit(self.acquire, key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
+
+    def _load(self, key: str, fingerprint: ModelFingerprint, on_chunk) -> _Entry:
+        store = self.store
+        header = store.read_header(key)
+        check_fingerprint(header, fingerprint)
+        padded = header.padded_length
+        lead = header.payload_offset % 4096
+        buf = self.pool.acquire(lead + padded, name=key)
+        try:
+            if store.local:
+                with DirectFile(store.local_path(key), direct=self.config.o_direct) as f:
+                    rr = self._engine.submit(f, header.payload_offset, padded, buf.view, name=key)
+                    for lo, hi in rr.chunks():
+                        if on_chunk is not None:
+                            on_chunk(buf.tensor[lo:hi], lo - lead, hi - lead)
+                    o_direct, note = f.o_direct, f.fallback_reason
+            else:
+                with store._open(key) as f:
+                    if f.read_into(buf.view[lead: lead + padded], header.payload_offset) != padded:
+                        raise KmeshError(f"segment {key}: short read")
+                if on_chunk is not None:
+                    on_chunk(buf.tensor[lead: lead + padded], 0, padded)
+                o_direct, note = False, f"{store.filesystem.type_name} filesystem read through pyarrow.fs"
+            with self._lock:
+                self.stats["reads"] += 1
+                self.stats["bytes_read"] += padded
+            if self.config.verify != "none":
+                check_payload(header, buf.view[lead: lead + padded], sha=self.config.verify == "sha256",
+                              tree=self.config.verify == "tree")
+        except BaseException:
+            with self._lock:
+                self.stats["failures"] += 1
+            self.pool.release(buf)
+            raise
+        entry = _Entry(key, header, buf, lead, o_direct, note)
+        with self._lock:
+            if key not in self._entries:
+                entry.in_map = True
+                self._entries[key] = entry
+        return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            drop = entry.evict_on_release or not entry.in_map or not self.config.retain
+            if drop:
+                self._drop_locked(entry)
+                entry.dropped = True
+        if drop:
+            self.pool.release(entry.buffer)
+
+    def _drop_locked(self, entry: _Entry) -> None:
+        if entry.in_map and self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self.stats["evictions"] += 1
+        entry.in_map = False
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, key: str | None = None, *, drop_page_cache: bool = False) -> int:
+        """Drop ``key`` (or every segment) from the tier; returns the bytes freed now.
+
+        Segments still leased leave the tier now (the next acquire reads again) and free their
+        buffer on their last release. ``drop_page_cache`` also drops the files' pages from the OS
+        page cache (posix_fadvise DONTNEED) so the next read goes to the disk even without O_DIRECT.
+        """
+        freed, buffers, keys = 0, [], []
+        with self._lock:
+            targets = [self._entries[key]] if key is not None and key in self._entries else \
+                list(self._entries.values()) if key is None else []
+            for entry in targets:
+                keys.append(entry.key)
+                if entry.refs == 0:
+                    self._drop_locked(entry)
+                    entry.dropped = True
+                    buffers.append(entry.buffer)
+                    freed += entry.buffer.nbytes
+                else:
+                    self._drop_locked(entry)
+                    entry.evict_on_release = True
+        for buf in buffers:
+            self.pool.release(buf)
+        if drop_page_cache and self.store.local:
+            for k in keys if key is None else [key]:
+                self.drop_page_cache(k)
+        return freed
+
+    def drop_page_cache(self, key: str) -> None:
+        """Drop segment ``key``'s file pages from the OS page cache (no privileges needed)."""
+        try:
+            fd = os.open(self.store.local_path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def _reclaim(self, need: int) -> int:
+        """Drop least-recently-used unleased entries until ``need`` bytes could be freed."""
+        freed, buffers = 0, []
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if freed >= need:
+                    break
+                if entry.refs == 0:
+                    self._drop_locked(entry)
+                    entry.dropped = True
+                    buffers.append(entry.buffer)
+                    freed += entry.buffer.nbytes
+        for buf in buffers:
+            self.pool.release(buf)
+        self.pool.trim()
+        return freed
+
+    # ------------------------------------------------------------------ introspection / lifetime
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(e.buffer.nbytes for e in self._entries.values())
+
+    def in_flight(self) -> int:
+        """Loads in progress now."""
+        return self._flight.in_flight()
+
+    def waiting(self, key: str) -> int:
+        """Callers waiting on the load of ``key`` in progress."""
+        return self._flight.waiting(key)
+
+    def close(self) -> None:
+        """Drop everything and free the buffers (waits for recorded copies). Leases must be released."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loader.shutdown(wait=True)
+        self.evict()
+        self.pool.close()
+        self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["HostTier", "HostTierConfig", "HostLease", "BufferPool"]

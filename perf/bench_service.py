@@ -1,0 +1,251 @@
+"""Restore of the seed-size child through the cache service vs in-process, and 16 concurrent clients.
+
+Seed-size child (seed §24): 4 shared segments of 104 tokens, 24 layers, 2 KV heads, head size 64,
+bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block size 16).
+
+* Paired comparison: the same restore in-process (pinned host originals -> upload -> place_many)
+  and through the service (request -> the service does the same into the registered cache ->
+  reply after the copy's event completed), alternating which goes first, ``--pairs`` pairs (seven
+  by default). Reports medians per path and the median of the paired ratios (target <= 1.15) and
+  checks that both paths give identical bits.
+* Concurrency: ``--clients`` processes (16) each register their own cache and restore the child
+  ``--rounds`` times; reports throughput, errors, and the service's device memory and open IPC
+  mappings before and after (they must return to the baseline).
+
+Usage: ``python perf/bench_service.py [--device cpu|cuda] [--out perf/out/]``. Prints a table and
+writes ``bench_service_<device>.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kmesh_gpu import KVLayout, RopeSpec, place_many  # noqa: E402
+from kmesh_host.service import CacheClient, CacheService, RestoreItem, ServiceConfig, SharedCache  # noqa: E402
+
+LAYERS, HEADS, HEAD, SEGMENTS, SEG_TOKENS, PROMPT, BLOCK = 24, 2, 64, 4, 104, 512, 16
+
+
+def child_layout() -> KVLayout:
+    return KVLayout.from_vllm("NHD", num_layers=LAYERS, num_blocks=PROMPT // BLOCK, block_size=BLOCK,
+                              num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+
+
+def child_rope() -> RopeSpec:
+    return RopeSpec(HEAD, HEAD, 1e6, True, 32768, torch.bfloat16)
+
+
+def originals(seed: int = 0):
+    """Four segments as the leader saved them: keys post-RoPE at the leader's positions."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(SEGMENTS):
+        kv = torch.randn(2, LAYERS, SEG_TOKENS, HEADS, HEAD, generator=g).to(torch.bfloat16)
+        out.append((f"seg{i}", kv, torch.arange(i * SEG_TOKENS, (i + 1) * SEG_TOKENS, dtype=torch.int64)))
+    return out
+
+
+def child_plan():
+    """Where the child puts each segment: after a 16-token preamble, 8 tokens of other text between."""
+    plan, p = [], 16
+    for i in range(SEGMENTS):
+        pos = list(range(p, p + SEG_TOKENS))
+        plan.append((f"seg{i}", pos, pos))  # slots = positions in a fresh 512-token prompt
+        p += SEG_TOKENS + 8
+    return plan
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def in_process_restore(cache, layout, rope, host_originals, plan, device: str) -> None:
+    kvs, slots, old, new = [], [], [], []
+    for (key, kv, pos), (_, slot, newpos) in zip(host_originals, plan):
+        kvs.append(kv.to(device, non_blocking=True) if device == "cuda" else kv)
+        slots.append(torch.tensor(slot, dtype=torch.int64))
+        old.append(pos)
+        new.append(torch.tensor(newpos, dtype=torch.int64))
+    place_many(kvs, cache, layout, slots, rope=rope, old_positions=old, new_positions=new)
+    sync(device)
+
+
+def _alloc(layout, device):
+    if device == "cpu":
+        shared = SharedCache(layout, fill=0)
+        return shared, shared, shared.tensor
+    t = layout.allocate(device, fill=0)
+    return None, t, t
+
+
+def _client_proc(socket_path: str, device: str, rounds: int, barrier, out) -> None:
+    errors, times = [], []
+    try:
+        layout, plan = child_layout(), child_plan()
+        shared, registrable, _ = _alloc(layout, device)
+        with CacheClient(socket_path, timeout=300) as c:
+            reg = c.register(registrable, layout, rope=child_rope())
+            items = [RestoreItem(k, s, p) for k, s, p in plan]
+            barrier.wait(timeout=300)
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                try:
+                    c.restore(reg, items)
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                times.append(time.perf_counter() - t0)
+            if not c.close_registration(reg, timeout=120):
+                errors.append("close_registration: copies still pending")
+        if shared is not None:
+            registrable = None
+            shared.close()
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    out.put({"pid": os.getpid(), "errors": errors, "times": times})
+
+
+def paired(args, client, socket_path) -> dict:
+    device = args.device
+    layout, rope, plan = child_layout(), child_rope(), child_plan()
+    host = [(k, kv.pin_memory() if device == "cuda" else kv, p) for k, kv, p in originals()]
+    shared, registrable, svc_cache = _alloc(layout, device)
+    local = layout.allocate(device, fill=0)
+    reg = client.register(registrable, layout, rope=rope)
+    items = [RestoreItem(k, s, p) for k, s, p in plan]
+
+    def run_local():
+        t0 = time.perf_counter()
+        in_process_restore(local, layout, rope, host, plan, device)
+        return time.perf_counter() - t0
+
+    def run_service():
+        t0 = time.perf_counter()
+        client.restore(reg, items)
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        run_local()
+        run_service()
+    identical = torch.equal(local.view(torch.uint8).cpu(), svc_cache.view(torch.uint8).cpu())
+    loc, svc, ratios = [], [], []
+    for i in range(args.pairs):
+        if i % 2 == 0:
+            a = run_local()
+            b = run_service()
+        else:
+            b = run_service()
+            a = run_local()
+        loc.append(a)
+        svc.append(b)
+        ratios.append(b / a)
+    client.close_registration(reg, timeout=120)
+    svc_cache = registrable = None
+    if shared is not None:
+        shared.close()
+    return {"in_process_ms": [x * 1e3 for x in loc], "service_ms": [x * 1e3 for x in svc],
+            "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
+            "median_paired_ratio": statistics.median(ratios), "median_paired_diff_ms":
+            statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]), "bit_identical": identical,
+            "target_ratio": 1.15}
+
+
+def concurrent(args, client, socket_path) -> dict:
+    ctx = mp.get_context("spawn")
+    before = client.status()
+    barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client_proc, args=(socket_path, args.device, args.rounds, barrier, out))
+             for _ in range(args.clients)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        barrier.wait(timeout=600)
+        t0 = time.perf_counter()
+        for _ in procs:
+            results.append(out.get(timeout=600))
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    deadline = time.monotonic() + 30
+    while True:
+        after = client.status()
+        if not after["registrations"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    errors = [e for r in results for e in r["errors"]]
+    times = [t for r in results for t in r["times"]]
+    restores = args.clients * args.rounds
+    mem_key = "device_memory_allocated"
+    return {"clients": args.clients, "rounds": args.rounds, "restores": restores, "errors": len(errors),
+            "error_samples": errors[:5], "wall_s": wall, "restores_per_s": restores / wall,
+            "latency_median_ms": statistics.median(times) * 1e3 if times else None,
+            "registrations_after": len(after["registrations"]), "pending_ops_after": len(after["pending_ops"]),
+            "open_ipc_mappings_before": before["open_ipc_mappings"], "open_ipc_mappings_after": after["open_ipc_mappings"],
+            "device_memory_before": before.get(mem_key), "device_memory_after": after.get(mem_key),
+            "memory_back_to_baseline": before.get(mem_key) == after.get(mem_key)
+            and after["open_ipc_mappings"] == before["open_ipc_mappings"] and not after["registrations"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    args = ap.parse_args(argv)
+    sock_dir = tempfile.mkdtemp(prefix="kmsb-")
+    socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
+    cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30)
+    with CacheService(cfg) as svc, CacheClient(socket_path, timeout=300) as client:
+        for key, kv, pos in originals():
+            client.put(key, kv, pos)
+        pair = paired(args, client, socket_path)
+        conc = concurrent(args, client, socket_path) if args.clients > 0 else None
+    shutil.rmtree(sock_dir, ignore_errors=True)
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
+              "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
+                           "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
+              "paired": pair, "concurrent": conc,
+              "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_service_{args.device}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"cache service restore, seed-size child ({SEGMENTS}x{SEG_TOKENS} tokens, {LAYERS} layers, bf16) "
+          f"on {args.device} ({dev_name})")
+    print(f"{'path':<14}{'median ms':>12}")
+    print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
+    print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")
+    print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (target <= 1.15), "
+          f"median paired diff {pair['median_paired_diff_ms']:.3f} ms, bit-identical: {pair['bit_identical']}")
+    if conc:
+        print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {conc['restores_per_s']:.1f} "
+              f"restores/s, median latency {conc['latency_median_ms']:.2f} ms, errors {conc['errors']}, "
+              f"memory back to baseline: {conc['memory_back_to_baseline']}")
+    print(f"wrote {path}")
+    return 0 if pair["bit_identical"] and (conc is None or conc["errors"] == 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""SSD -> GPU routes: the seed's forced-read comparison, the read-once variant, the physical limits.
+
+Workload (seed §24): four children, each restoring the same four shared segments (Qwen2.5-0.5B KV
+shape: 24 layers, 2 KV heads, head 64, bf16; 256 tokens each = one padded 3 MiB object; 12 MiB per
+child, 48 MiB for four) into its own paged cache slots at shifted positions (RoPE shift on).
+
+1. **Forced read**: singleflight off, retention on, explicit eviction from the host tier before
+   every child and the files' page-cache pages dropped (posix_fadvise DONTNEED) — and the host
+   staging route reads with O_DIRECT, so its reads reach the disk (the report says if the
+   filesystem refused O_DIRECT). Seven matched pairs alternate which route goes first; each pair
+   runs the four children through each route one at a time; per pair we take the median of the
+   four children per route and then the paired difference (direct - host_staging) and ratio
+   (direct / host_staging); the table shows the medians of the seven. Intervals are nested, never
+   added: read calls and verification lie inside restoration, restoration inside the outer
+   interval (eviction + restore + placement + release + stream sync).
+2. **Host tier**: the same children restored from retained pinned RAM (no eviction), against the
+   same-run pinned H2D bandwidth.
+3. **Read once**: retention and singleflight on, four children started together after one
+   eviction: the shared source is read once for all four (reads and bytes counted by the tier).
+4. **Limits**: the disk's sequential O_DIRECT read bandwidth, measured in the same run with the
+   same reader, and each route's restore bandwidth as a fraction of it.
+
+Writes a table to stdout and ``ssd_routes.json`` + ``ssd_routes.png`` (when matplotlib is
+installed) to ``--out``. ``--data-dir`` must lie on the SSD under test.
+
+    python perf/run_ssd_routes.py --device cuda --data-dir /mnt/nvme/kmesh-bench
+    python perf/run_ssd_routes.py --device cpu --pairs 2 --children 2 --bw-mib 64    # smoke, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kmesh_gpu import KVLayout, RopeSpec  # noqa: E402
+from kmesh_gpu.errors import BackendError  # noqa: E402
+from kmesh_host import HostTier, HostTierConfig, ModelFingerprint, RestoreTarget, SegmentStore, restore  # noqa: E402
+from kmesh_host.direct_io import IO_ENGINE, DirectFile, HostBuffer, ReadEngine, file_o_direct_support  # noqa: E402
+from kmesh_host.routes import direct_facts  # noqa: E402
+
+MIB = 1 << 20
+L, H, D = 24, 2, 64
+DTYPE = torch.bfloat16
+METRICS = ("read_s", "verify_s", "restore_s", "outer_s")
+TARGETS = {"forced_read_fraction_of_disk_bw": 0.85, "host_tier_fraction_of_h2d_bw": 0.80}
+
+
+def fingerprint() -> ModelFingerprint:
+    return ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16",
+                            {"base": 1_000_000.0, "rotary_dim": D, "is_neox_style": True, "max_position": 32768})
+
+
+def rope_spec() -> RopeSpec:
+    return RopeSpec(head_size=D, rotary_dim=D, base=1_000_000.0, is_neox_style=True, max_position=32768, dtype=DTYPE)
+
+
+def fs_type(path: str) -> str:
+    """The filesystem type of ``path`` from /proc/mounts (longest mount-point prefix)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, f"{parts[2]} ({parts[0]} on {mnt})"
+    except OSError:
+        pass
+    return kind
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------- limits
+def disk_bandwidth(data_dir: str, mib: int, threads: int, chunk: int, reps: int = 3) -> dict:
+    """Sequential O_DIRECT read bandwidth of a fresh ``mib`` MiB file (page cache dropped first)."""
+    path = os.path.join(data_dir, "seqread.bin")
+    block = np.random.default_rng(7).integers(0, 256, 64 * MIB, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        left = mib * MIB
+        while left > 0:
+            n = min(left, len(block))
+            f.write(block[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+    size = mib * MIB
+    times, o_direct, note = [], None, None
+    try:
+        with ReadEngine(threads, chunk) as engine, HostBuffer(size) as buf:
+            for _ in range(reps):
+                with DirectFile(path) as f:
+                    f.drop_cache()
+                    t0 = time.perf_counter()
+                    engine.read(f, 0, size, buf.view)
+                    times.append(time.perf_counter() - t0)
+                    o_direct, note = f.o_direct, f.fallback_reason
+    finally:
+        os.unlink(path)
+    med = statistics.median(times)
+    return {"bytes": size, "seconds_median": med, "GB_per_s": size / med / 1e9, "o_direct": o_direct,
+            "fallback": note, "reps": reps, "threads": threads, "chunk_bytes": chunk}
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> dict | None:
+    """Pinned host -> device copy bandwidth of ``nbytes`` (median of ``reps``)."""
+    if device.type != "cuda":
+        return None
+    with HostBuffer(nbytes, pin=True) as host:
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        src = host.tensor[:nbytes]
+        times = []
+        for _ in range(reps + 2):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        del dst
+    med = statistics.median(times[2:])
+    return {"bytes": nbytes, "seconds_median": med, "GB_per_s": nbytes / med / 1e9}
+
+
+# ----------------------------------------------------------------------------------- workload
+class Workload:
+    def __init__(self, args, device: torch.device):
+        self.device = device
+        self.fp = fingerprint()
+        self.rope = rope_spec() if args.shift else None
+        self.store = SegmentStore(os.path.join(args.data_dir, "store"))
+        gen = torch.Generator().manual_seed(11)
+        self.keys = []
+        for i in range(args.objects):
+            kv = torch.randn((2, L, args.tokens, H, D), generator=gen).to(DTYPE)
+            pos = torch.arange(args.tokens) + i * args.tokens
+            self.keys.append(self.store.put(kv, torch.arange(args.tokens) + 1000 * i, pos, model_fingerprint=self.fp))
+        self.headers = [self.store.read_header(k) for k in self.keys]
+        self.child_bytes = sum(h.padded_length for h in self.headers)
+        per_child = args.objects * args.tokens
+        block = 16
+        self.layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=-(-per_child * args.children // block) + 1,
+                                         block_size=block, num_kv_heads=H, head_size=D, dtype=DTYPE)
+        self.cache = self.layout.allocate(device, fill=0) if args.place else None
+        self.targets = []
+        for c in range(args.children):
+            prefix = 17 + 29 * c  # different preceding text per child
+            ts = []
+            for i in range(args.objects):
+                start = c * per_child + i * args.tokens
+                slots = torch.arange(start, start + args.tokens, dtype=torch.int64, device=device)
+                new = torch.arange(args.tokens, dtype=torch.int64, device=device) + prefix + i * (args.tokens + 5)
+                ts.append(RestoreTarget(self.keys[i], slots if args.place else None, new))
+            self.targets.append(ts)
+
+    def drop_page_cache(self):
+        for k in self.keys:
+            with DirectFile(self.store.local_path(k), direct=False) as f:
+                f.drop_cache()
+
+    def child(self, route: str, c: int, tier: HostTier, *, verify: str, evict: bool) -> dict:
+        t0 = time.perf_counter()
+        if evict:
+            tier.evict()
+            self.drop_page_cache()
+        result = restore(route, self.store, self.targets[c], model_fingerprint=self.fp, device=self.device,
+                         tier=tier, cache=self.cache, layout=self.layout if self.cache is not None else None,
+                         rope=self.rope if self.cache is not None else None, verify=verify)
+        report = result.report
+        del result
+        sync(self.device)
+        out = dict(report.timings)
+        out["outer_s"] = time.perf_counter() - t0
+        out["report"] = report
+        return out
+
+
+def summarise_pairs(pairs: list[dict], routes: list[str]) -> dict:
+    """Medians per route and medians of paired differences/ratios (direct - / host_staging)."""
+    out = {}
+    for m in METRICS:
+        row = {r: statistics.median(p[r][m] for p in pairs) for r in routes}
+        if len(routes) == 2:
+            a, b = routes
+            diffs = [p[b][m] - p[a][m] for p in pairs]
+            ratios = [p[b][m] / p[a][m] if p[a][m] > 0 else float("nan") for p in pairs]
+            row.update({"diff_median": statistics.median(diffs), "ratio_median": statistics.median(ratios),
+                        f"{b}_faster_pairs": sum(d < 0 for d in diffs), "pairs": len(pairs)})
+        out[m] = row
+    return out
+
+
+def forced_read(work: Workload, args, routes: list[str], tier: HostTier) -> tuple[list[dict], dict]:
+    pairs, mechanisms = [], {}
+    for p in range(args.pairs):
+        order = routes if p % 2 == 0 else routes[::-1]
+        pair = {}
+        for route in order:
+            runs = [work.child(route, c, tier, verify=args.verify, evict=True) for c in range(args.children)]
+            mechanisms[route] = runs[-1]["report"].to_dict()
+            pair[route] = {m: statistics.median(r[m] for r in runs) for m in METRICS}
+            pair[route]["children"] = [{m: r[m] for m in METRICS} for r in runs]
+        pair["first"] = order[0]
+        pairs.append(pair)
+    return pairs, mechanisms
+
+
+def host_tier_hits(work: Workload, args, tier: HostTier) -> dict:
+    tier.evict()
+    work.child("host_staging", 0, tier, verify=args.verify, evict=False)  # load once
+    runs = [work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False)
+            for c in range(max(args.children, 4) * 2)]
+    assert all(r["report"].tier_sources == {"hit": args.objects} for r in runs)
+    med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
+    med["mechanism"] = runs[-1]["report"].mechanism
+    return med
+
+
+def read_once(work: Workload, args, device: torch.device) -> dict:
+    cfg = HostTierConfig(budget_bytes=max(4 * work.child_bytes, 64 * MIB), pin=device.type == "cuda", retain=True,
+                         singleflight=True, verify="none", read_threads=args.threads, chunk_bytes=args.chunk_kib * 1024)
+    with HostTier(work.store, cfg) as tier:
+        work.drop_page_cache()
+        barrier = threading.Barrier(args.children)
+        results, errors = [None] * args.children, []
+
+        def child(c):
+            try:
+                barrier.wait(timeout=60)
+                results[c] = work.child("host_staging", c, tier, verify=args.verify, evict=False)
+            except BaseException as exc:  # reported in the JSON
+                errors.append(repr(exc))
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=child, args=(c,)) for c in range(args.children)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        wall = time.perf_counter() - t0
+        stats = dict(tier.stats)
+    served = work.child_bytes * sum(r is not None for r in results)
+    return {"children": args.children, "errors": errors, "wall_s": wall, "tier_stats": stats,
+            "bytes_served": served, "bytes_read": stats["bytes_read"], "reads": stats["reads"],
+            "read_once": stats["bytes_read"] == work.child_bytes,
+            "sources": [r["report"].tier_sources if r else None for r in results]}
+
+
+# ----------------------------------------------------------------------------------- output
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:9.3f}"
+
+
+def print_table(res: dict) -> None:
+    routes = res["routes"]
+    env = res["environment"]
+    print(f"\nSSD routes — device {env['device_name']}, data on {env['filesystem']}, "
+          f"O_DIRECT {'yes' if env['o_direct'] else 'NO: ' + str(env['o_direct_fallback'])}, io {IO_ENGINE}")
+    for r, m in res["mechanisms"].items():
+        print(f"  {r}: {m['mechanism']}")
+    for r, why in res["skipped_routes"].items():
+        print(f"  {r}: skipped ({why})")
+    print(f"\nForced read: {res['pairs']} pairs x {res['children']} children, {res['child_bytes'] / MIB:.1f} MiB "
+          f"per child; medians of per-pair child medians (ms); intervals nested, never added")
+    head = f"{'interval':<12}" + "".join(f"{r:>16}" for r in routes)
+    if len(routes) == 2:
+        head += f"{'diff (d-h)':>14}{'ratio (d/h)':>13}{'direct faster':>15}"
+    print(head)
+    for m in METRICS:
+        row = res["forced_read"]["summary"][m]
+        line = f"{m:<12}" + "".join(f"{fmt_ms(row[r]):>16}" for r in routes)
+        if len(routes) == 2:
+            line += f"{fmt_ms(row['diff_median']):>14}{row['ratio_median']:>13.3f}" \
+                    f"{str(row[routes[1] + '_faster_pairs']) + '/' + str(row['pairs']):>15}"
+        print(line)
+    lim = res["limits"]
+    print(f"\nDisk sequential O_DIRECT read: {lim['disk']['GB_per_s']:.2f} GB/s "
+          f"({lim['disk']['bytes'] / MIB:.0f} MiB, o_direct={lim['disk']['o_direct']})")
+    if lim["h2d"]:
+        print(f"Pinned H2D ({lim['h2d']['bytes'] / MIB:.0f} MiB): {lim['h2d']['GB_per_s']:.2f} GB/s")
+    for r, f in res["fractions"].items():
+        print(f"  {r}: restore {f['restore_GB_per_s']:.2f} GB/s = {f['fraction_of_disk_bw']:.1%} of disk; "
+              f"read calls {f['read_GB_per_s']:.2f} GB/s")
+    ht = res["host_tier"]
+    extra = f" = {ht['fraction_of_h2d_bw']:.1%} of pinned H2D" if ht.get("fraction_of_h2d_bw") is not None else ""
+    print(f"Host tier (retained RAM): restore {fmt_ms(ht['restore_s']).strip()} ms per child, "
+          f"{ht['restore_GB_per_s']:.2f} GB/s{extra}")
+    ro = res["read_once"]
+    print(f"Read once: {ro['children']} children served {ro['bytes_served'] / MIB:.0f} MiB with {ro['reads']} reads "
+          f"of {ro['bytes_read'] / MIB:.0f} MiB (read_once={ro['read_once']}, errors={len(ro['errors'])})")
+
+
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no PNG"
+    routes = res["routes"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(METRICS))
+    width = 0.8 / len(routes)
+    for i, r in enumerate(routes):
+        vals = [res["forced_read"]["summary"][m][r] * 1e3 for m in METRICS]
+        ax1.bar(x + i * width, vals, width, label=r)
+    ax1.set_xticks(x + width * (len(routes) - 1) / 2, METRICS)
+    ax1.set_ylabel("ms per child (median of pair medians)")
+    ax1.set_title("Forced-read restoration (nested intervals)")
+    ax1.legend()
+    names = list(res["fractions"]) + ["host tier"]
+    bws = [res["fractions"][r]["restore_GB_per_s"] for r in res["fractions"]] + [res["host_tier"]["restore_GB_per_s"]]
+    ax2.bar(names, bws, color="tab:gray")
+    ax2.axhline(res["limits"]["disk"]["GB_per_s"], color="tab:red", ls="--", label="disk O_DIRECT seq. read")
+    if res["limits"]["h2d"]:
+        ax2.axhline(res["limits"]["h2d"]["GB_per_s"], color="tab:blue", ls=":", label="pinned H2D")
+    ax2.set_ylabel("GB/s per child")
+    ax2.set_title("Restore bandwidth vs same-run limits")
+    ax2.legend()
+    fig.suptitle(f"{res['environment']['device_name']} — {res['command']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="perf/out")
+    ap.add_argument("--data-dir", default=None, help="where segment files go (on the SSD); default <out>/ssd_data")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--children", type=int, default=4)
+    ap.add_argument("--objects", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per segment (256 -> a 3 MiB object)")
+    ap.add_argument("--routes", default="host_staging,direct")
+    ap.add_argument("--verify", choices=("device", "device-batched", "host", "none"), default="device")
+    ap.add_argument("--threads", type=int, default=8, help="O_DIRECT reader threads")
+    ap.add_argument("--chunk-kib", type=int, default=512)
+    ap.add_argument("--bw-mib", type=int, default=1024, help="size of the sequential-read file")
+    ap.add_argument("--no-place", dest="place", action="store_false", help="skip placement into the cache")
+    ap.add_argument("--no-shift", dest="shift", action="store_false", help="place without the RoPE shift")
+    ap.add_argument("--keep-data", action="store_true")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu for the host side alone)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.data_dir = os.path.abspath(args.data_dir or str(out / "ssd_data"))
+    os.makedirs(args.data_dir, exist_ok=True)
+    command = "python perf/run_ssd_routes.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    routes, skipped = [], {}
+    for r in [r.strip() for r in args.routes.split(",") if r.strip()]:
+        if r == "direct" and device.type != "cuda":
+            skipped[r] = "needs CUDA (--device cpu runs the host side alone)"
+            continue
+        if r == "direct":
+            try:
+                direct_facts(device)
+            except BackendError as exc:
+                skipped[r] = str(exc)
+                continue
+        routes.append(r)
+    if not routes:
+        ap.error(f"no runnable route ({skipped})")
+
+    work = Workload(args, device)
+    o_direct, fallback = file_o_direct_support(work.store.local_path(work.keys[0]))
+    env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+           else platform.processor() or platform.machine(), "filesystem": fs_type(args.data_dir),
+           "data_dir": args.data_dir, "o_direct": o_direct, "o_direct_fallback": fallback,
+           "page_cache": "bypassed with O_DIRECT (host staging) and dropped with posix_fadvise(DONTNEED) "
+                         "before every child (both routes)",
+           "python": platform.python_version(), "torch": torch.__version__, "io_engine": IO_ENGINE,
+           "threads": args.threads, "chunk_bytes": args.chunk_kib * 1024, "verify": args.verify,
+           "place": args.place, "rope_shift": args.shift and args.place}
+    if "direct" in routes:
+        env["direct_facts"] = direct_facts(device)
+
+    cfg = HostTierConfig(budget_bytes=max(2 * work.child_bytes, 64 * MIB), pin=device.type == "cuda", retain=True,
+                         singleflight=False, verify="none", read_threads=args.threads,
+                         chunk_bytes=args.chunk_kib * 1024)
+    with HostTier(work.store, cfg) as tier:
+        # Warm-up (kernels compiled, buffers pinned) outside every timed interval.
+        for r in routes:
+            work.child(r, 0, tier, verify=args.verify, evict=True)
+        pairs, mechanisms = forced_read(work, args, routes, tier)
+        hits = host_tier_hits(work, args, tier)
+    disk = disk_bandwidth(args.data_dir, args.bw_mib, args.threads, args.chunk_kib * 1024)
+    h2d = h2d_bandwidth(device, work.child_bytes)
+    once = read_once(work, args, device)
+
+    summary = summarise_pairs(pairs, routes)
+    fractions = {}
+    for r in routes:
+        restore_bw = work.child_bytes / summary["restore_s"][r] / 1e9
+        read_bw = work.child_bytes / summary["read_s"][r] / 1e9 if summary["read_s"][r] > 0 else float("nan")
+        fractions[r] = {"restore_GB_per_s": restore_bw, "read_GB_per_s": read_bw,
+                        "fraction_of_disk_bw": restore_bw / disk["GB_per_s"],
+                        "target": TARGETS["forced_read_fraction_of_disk_bw"]}
+    hits["restore_GB_per_s"] = work.child_bytes / hits["restore_s"] / 1e9
+    hits["fraction_of_h2d_bw"] = hits["restore_GB_per_s"] / h2d["GB_per_s"] if h2d else None
+    hits["target"] = TARGETS["host_tier_fraction_of_h2d_bw"]
+
+    res = {"command": command, "environment": env, "routes": routes, "skipped_routes": skipped,
+           "pairs": args.pairs, "children": args.children, "objects": args.objects, "tokens": args.tokens,
+           "child_bytes": work.child_bytes, "mechanisms": mechanisms,
+           "forced_read": {"summary": summary, "pairs": pairs}, "host_tier": hits, "read_once": once,
+           "limits": {"disk": disk, "h2d": h2d}, "fractions": fractions, "targets": TARGETS}
+    print_table(res)
+    (out / "ssd_routes.json").write_text(json.dumps(res, indent=2, default=str))
+    note = plot(res, out / "ssd_routes.png")
+    print(f"\nwrote {out / 'ssd_routes.json'}" + (f" and {out / 'ssd_routes.png'}" if note is None else f" ({note})"))
+    if not args.keep_data:
+        shutil.rmtree(os.path.join(args.data_dir, "store"), ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

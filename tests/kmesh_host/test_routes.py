@@ -1,0 +1,295 @@
+"""Storage routes end to end: read, verify where the bytes landed, place; reports say what ran.
+
+The same bodies run on CPU (host side: the "H2D" is a memcpy) and, with ``-m gpu``, on CUDA. The
+direct route needs CUDA and KvikIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+import kmesh_gpu
+from kmesh_gpu import KVLayout, RopeSpec
+from kmesh_gpu.errors import BackendError
+from kmesh_host import (
+    FingerprintMismatch,
+    HostTier,
+    HostTierConfig,
+    IntegrityError,
+    ModelFingerprint,
+    RestoreTarget,
+    SegmentStore,
+    restore,
+    restore_direct,
+    restore_host_staging,
+)
+from tests.helpers.devices import DEVICES
+
+L, H, D = 2, 2, 16
+DTYPE = torch.bfloat16
+ROPE = RopeSpec(head_size=D, rotary_dim=D, base=10000.0, is_neox_style=True, max_position=4096, dtype=DTYPE)
+FP = ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16",
+                      {"base": 10000.0, "rotary_dim": D, "is_neox_style": True, "max_position": 4096})
+TOKENS = [37, 64, 100]  # three segments, none a multiple of a 4 KiB page
+
+
+def kv_for(i, T):
+    return torch.randn((2, L, T, H, D), generator=torch.Generator().manual_seed(i)).to(DTYPE)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SegmentStore(tmp_path / "store")
+
+
+@pytest.fixture
+def segments(store):
+    out = []
+    for i, T in enumerate(TOKENS):
+        kv = kv_for(i, T)
+        pos = torch.arange(T) + 5 * i
+        out.append((store.put(kv, torch.arange(T), pos, model_fingerprint=FP), kv, pos))
+    return out
+
+
+def make_tier(store, device, **kw):
+    kw.setdefault("verify", "none")  # the routes verify where the data landed
+    kw.setdefault("chunk_bytes", 4096)
+    kw.setdefault("read_threads", 2)
+    return HostTier(store, HostTierConfig(pin=torch.device(device).type == "cuda", **kw))
+
+
+def cache_and_targets(segments, device, *, shifted):
+    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=32, block_size=16, num_kv_heads=H, head_size=D,
+                                dtype=DTYPE)
+    cache = layout.allocate(device, fill=0x7F)
+    perm = torch.randperm(layout.num_slots, generator=torch.Generator().manual_seed(1))
+    targets, start = [], 0
+    for key, kv, pos in segments:
+        T = kv.shape[2]
+        slots = perm[start: start + T].to(device)
+        start += T
+        new = (torch.arange(T) + 200 + start).to(device) if shifted else None
+        targets.append(RestoreTarget(key, slots, new))
+    return layout, cache, targets
+
+
+def reference_cache(segments, targets, layout, device, *, rope):
+    """The in-memory path: the same placement from the segments held in RAM."""
+    cache = layout.allocate(device, fill=0x7F)
+    for (key, kv, pos), t in zip(segments, targets):
+        if rope is None:
+            kmesh_gpu.place(kv.to(device), cache, layout, t.slots)
+        else:
+            kmesh_gpu.place(kv.to(device), cache, layout, t.slots, rope=rope, old_positions=pos.to(device),
+                            new_positions=t.new_positions)
+    return cache
+
+
+# ------------------------------------------------------------------ host staging
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("verify", ["device", "device-batched", "host", "none"])
+def test_host_staging_bytes_are_exact(store, segments, device, verify):
+    tier = make_tier(store, device)
+    result = restore_host_staging(store, [RestoreTarget(k) for k, _, _ in segments], model_fingerprint=FP,
+                                  device=device, tier=tier, verify=verify)
+    rep = result.report
+    assert rep.route == "host_staging" and rep.objects == 3 and not rep.placed
+    assert rep.tier_sources == {"read": 3} and rep.bytes_read == rep.bytes_moved > 0
+    assert rep.o_direct is True and "O_DIRECT reads" in rep.mechanism and rep.io_engine == "threads"
+    assert rep.timings["restore_s"] >= rep.timings["read_s"] >= 0
+    for (key, kv, pos), got, seg in zip(segments, result.kv, result.segments()):
+        assert got.device.type == torch.device(device).type
+        assert torch.equal(got.cpu().view(torch.uint8), kv.view(torch.uint8))
+        assert torch.equal(seg.positions, pos) and seg.key == key
+    if torch.device(device).type == "cuda":
+        assert rep.pinned is True and "pinned host RAM" in rep.mechanism and "cudaMemcpyAsync" in rep.mechanism
+    tier.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shifted", [False, True], ids=["copy", "rope-shift"])
+def test_host_staging_places_like_the_in_memory_path(store, segments, device, shifted):
+    layout, cache, targets = cache_and_targets(segments, device, shifted=shifted)
+    rope = ROPE if shifted else None
+    tier = make_tier(store, device)
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
+                                  layout=layout, rope=rope)
+    assert result.report.placed
+    expect = reference_cache(segments, targets, layout, device, rope=rope)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    if not shifted:
+        for (key, kv, pos), t in zip(segments, targets):
+            assert torch.equal(kmesh_gpu.gather(cache, layout, t.slots).cpu().view(torch.uint8),
+                               kv.view(torch.uint8))
+    tier.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
+def test_corrupt_payload_is_refused_and_nothing_is_placed(store, segments, device, verify):
+    key = segments[1][0]
+    off = store.read_header(key).payload_offset
+    with open(store.path(key), "r+b") as f:
+        f.seek(off + 333)
+        byte = f.read(1)
+        f.seek(off + 333)
+        f.write(bytes([byte[0] ^ 0x04]))
+    layout, cache, targets = cache_and_targets(segments, device, shifted=False)
+    before = cache.clone()
+    tier = make_tier(store, device)
+    with pytest.raises(IntegrityError, match=key):
+        restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
+                             layout=layout, verify=verify)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    assert tier.pool.in_use_bytes == tier.resident_bytes  # leases released
+    tier.close()
+
+
+def test_retained_source_serves_later_children_from_ram(store, segments):
+    tier = make_tier(store, "cpu")
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    first = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    second = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    assert first.report.tier_sources == {"read": 3}
+    assert second.report.tier_sources == {"hit": 3} and second.report.bytes_read == 0
+    assert second.report.mechanism.startswith("host tier")
+    tier.evict()
+    third = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    assert third.report.tier_sources == {"read": 3}
+    assert tier.stats["reads"] == 6
+    tier.close()
+
+
+def test_concurrent_children_share_one_read(store, segments):
+    tier = make_tier(store, "cpu", singleflight=True, retain=True)
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    results, errors = [], []
+    barrier = threading.Barrier(4)
+
+    def child():
+        try:
+            barrier.wait(timeout=10)
+            results.append(restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier))
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=child) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and len(results) == 4
+    assert tier.stats["reads"] == 3  # one read per segment for all four children
+    for r in results:
+        for (key, kv, pos), got in zip(segments, r.kv):
+            assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    tier.close()
+
+
+def test_wrong_fingerprint_and_missing_segment(store, segments):
+    tier = make_tier(store, "cpu")
+    other = ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16", {"base": 1e6})
+    with pytest.raises(FingerprintMismatch):
+        restore_host_staging(store, [RestoreTarget(segments[0][0])], model_fingerprint=other, device="cpu",
+                             tier=tier)
+    with pytest.raises(kmesh_gpu.SegmentNotFound):
+        restore_host_staging(store, [RestoreTarget("ef" * 32)], model_fingerprint=FP, device="cpu", tier=tier)
+    assert tier.pool.in_use_bytes == 0 and tier.stats["reads"] == 0
+    tier.close()
+
+
+def test_private_tier_when_none_is_given(store, segments):
+    result = restore("host_staging", store, [RestoreTarget(k) for k, _, _ in segments], model_fingerprint=FP,
+                     device="cpu", verify="host")
+    assert all(torch.equal(g, kv) for (_, kv, _), g in zip(segments, result.kv))
+
+
+def test_o_direct_refusal_is_reported(store, segments, monkeypatch):
+    real_open = os.open
+
+    def refusing(p, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing)
+    tier = make_tier(store, "cpu")
+    result = restore_host_staging(store, [RestoreTarget(k) for k, _, _ in segments], model_fingerprint=FP,
+                                  device="cpu", tier=tier, verify="host")
+    rep = result.report
+    assert rep.o_direct is False and "page-cache reads" in rep.mechanism
+    assert any("O_DIRECT" in n for n in rep.notes)
+    assert all(torch.equal(g, kv) for (_, kv, _), g in zip(segments, result.kv))
+    tier.close()
+
+
+def test_placement_arguments_are_checked(store, segments):
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=False)
+    tier = make_tier(store, "cpu")
+    with pytest.raises(kmesh_gpu.LayoutError, match="new_positions"):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE)
+    with pytest.raises(kmesh_gpu.LayoutError, match="slots"):
+        restore_host_staging(store, [RestoreTarget(segments[0][0])], model_fingerprint=FP, device="cpu",
+                             tier=tier, cache=cache, layout=layout)
+    with pytest.raises(kmesh_gpu.LayoutError):
+        restore_host_staging(store, [], model_fingerprint=FP, device="cpu", tier=tier)
+    tier.close()
+
+
+# ------------------------------------------------------------------ direct
+def test_direct_needs_cuda(store, segments):
+    with pytest.raises(BackendError):
+        restore_direct(store, [RestoreTarget(segments[0][0])], model_fingerprint=FP, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shifted", [False, True], ids=["copy", "rope-shift"])
+def test_direct_route_end_to_end(store, segments, shifted):
+    pytest.importorskip("kvikio", reason="the direct route needs the kvikio package")
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=shifted)
+    rope = ROPE if shifted else None
+    result = restore_direct(store, targets, model_fingerprint=FP, device="cuda", cache=cache, layout=layout,
+                            rope=rope)
+    rep = result.report
+    assert rep.placed and rep.bytes_read == sum(h.padded_length for h in result.headers)
+    for (key, kv, pos), got in zip(segments, result.kv):
+        assert torch.equal(got.cpu().view(torch.uint8), kv.view(torch.uint8))
+    expect = reference_cache(segments, targets, layout, "cuda", rope=rope)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    # Never call a bounce-buffer copy direct.
+    if rep.direct_dma:
+        assert rep.facts["gds_available"] is True and rep.facts["kvikio_compat_preferred"] is False
+        assert "GPUDirect Storage" in rep.mechanism
+    else:
+        assert "NOT direct" in rep.mechanism
+
+
+@pytest.mark.gpu
+def test_direct_route_refuses_corrupt_payload(store, segments):
+    pytest.importorskip("kvikio", reason="the direct route needs the kvikio package")
+    key = segments[2][0]
+    off = store.read_header(key).payload_offset
+    with open(store.path(key), "r+b") as f:
+        f.seek(off + 4096 + 7)
+        f.write(b"\x55")
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=False)
+    before = cache.clone()
+    with pytest.raises(IntegrityError, match=key):
+        restore_direct(store, targets, model_fingerprint=FP, device="cuda", cache=cache, layout=layout)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_pinned_tier_buffers_are_page_locked(store, segments):
+    tier = make_tier(store, "cuda")
+    with tier.acquire(segments[0][0], model_fingerprint=FP) as lease:
+        assert lease.payload.is_pinned()
+        assert lease.payload.data_ptr() % 4096 == 0
+    tier.close()

@@ -1,0 +1,246 @@
+"""Wire format: framing limits, typed errors, and fuzzing a live service that must keep serving."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import stat
+import struct
+
+import pytest
+import torch
+
+from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, SegmentNotFound, ServiceError
+from kmesh_host.service import CacheClient, CacheService, ServiceConfig
+from kmesh_host.service import protocol
+from kmesh_host.service.registry import PeerIdentity
+from kmesh_host.service.server import check_peer, prepare_socket_dir
+from tests.helpers.service import socket_dir
+
+MAX_BODY = 1 << 20
+
+
+# ---------------------------------------------------------------------------------- offline
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(5)
+    b.settimeout(5)
+    return a, b
+
+
+def test_roundtrip_with_body():
+    a, b = _pair()
+    with a, b:
+        protocol.send_message(a, {"op": "x", "id": 1}, b"\x00\x01payload")
+        msg = protocol.read_message(b)
+        assert msg.header == {"op": "x", "id": 1} and msg.body == b"\x00\x01payload"
+
+
+@pytest.mark.parametrize("prefix, match", [
+    (struct.pack("<4sHHII", b"XXXX", 1, 0, 2, 0), "magic"),
+    (struct.pack("<4sHHII", b"KMSH", 2, 0, 2, 0), "version"),
+    (struct.pack("<4sHHII", b"KMSH", 1, 1, 2, 0), "flags"),
+    (struct.pack("<4sHHII", b"KMSH", 1, 0, 0xFFFFFFFF, 0), "header length"),
+    (struct.pack("<4sHHII", b"KMSH", 1, 0, 0, 0), "header length"),
+    (struct.pack("<4sHHII", b"KMSH", 1, 0, 2, 0xFFFFFFFF), "body length"),
+], ids=["magic", "version", "flags", "absurd-header", "empty-header", "absurd-body"])
+def test_bad_prefix_is_fatal(prefix, match):
+    a, b = _pair()
+    with a, b:
+        a.sendall(prefix + b"{}")
+        with pytest.raises(protocol.FatalFrameError, match=match):
+            protocol.read_message(b, max_body_bytes=MAX_BODY)
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1,2]", b"\xff\xfe", b'"str"'], ids=["text", "list", "utf8", "string"])
+def test_bad_header_keeps_the_frame_boundary(raw):
+    a, b = _pair()
+    with a, b:
+        a.sendall(struct.pack("<4sHHII", b"KMSH", 1, 0, len(raw), 0) + raw)
+        protocol.send_message(a, {"op": "ok"})
+        with pytest.raises(ProtocolError) as info:
+            protocol.read_message(b)
+        assert not isinstance(info.value, protocol.FatalFrameError)
+        assert protocol.read_message(b).header == {"op": "ok"}
+
+
+def test_truncated_frame():
+    a, b = _pair()
+    with b:
+        frame = protocol.encode({"op": "status"}, b"12345")
+        a.sendall(frame[:-2])
+        a.close()
+        with pytest.raises(protocol.ConnectionClosed, match="middle of a frame"):
+            protocol.read_message(b)
+
+
+def test_encode_limits():
+    with pytest.raises(ProtocolError, match="body"):
+        protocol.encode({"op": "x"}, b"x" * 11, max_body_bytes=10)
+    with pytest.raises(ProtocolError, match="header"):
+        protocol.encode({"op": "x" * (protocol.MAX_HEADER_BYTES + 1)})
+
+
+def test_typed_error_roundtrip():
+    for exc in (OwnershipError("o"), LayoutError("l"), SegmentNotFound("k"), ProtocolError("p"), ValueError("v")):
+        reply = protocol.error_reply(3, exc)
+        expected = type(exc) if not isinstance(exc, ValueError) or isinstance(exc, LayoutError) else ServiceError
+        with pytest.raises(expected):
+            protocol.raise_for_reply(reply)
+    with pytest.raises(ServiceError):
+        protocol.raise_for_reply({"ok": False, "error": {"code": "no-such-code", "message": "?"}})
+    with pytest.raises(ProtocolError):
+        protocol.raise_for_reply({"ok": "yes"})
+
+
+def test_tensor_packing_checks():
+    kv = torch.randn(2, 1, 3, 1, 4).to(torch.bfloat16)
+    descr, body = protocol.pack_tensors({"kv": kv, "pos": torch.arange(3)})
+    assert torch.equal(protocol.unpack_tensor(descr, body, "kv").view(torch.int16), kv.view(torch.int16))
+    for bad in ({"dtype": "complex64"}, {"shape": [10 ** 6]}, {"offset": len(body)}, {"shape": "x"}, {"nbytes": -1}):
+        d = {"kv": {**descr["kv"], **bad}}
+        with pytest.raises(ProtocolError):
+            protocol.unpack_tensor(d, body, "kv")
+
+
+def test_field_types():
+    h = {"op": "restore", "reg": True, "n": 3, "l": [1, "2"]}
+    with pytest.raises(ProtocolError, match="bool"):
+        protocol.field(h, "reg", int)
+    with pytest.raises(ProtocolError, match="missing"):
+        protocol.field(h, "secret", str)
+    with pytest.raises(ProtocolError, match="integers"):
+        protocol.int_list(h, "l")
+    assert protocol.field(h, "n", int) == 3
+
+
+def test_peer_and_directory_checks(tmp_path):
+    check_peer(PeerIdentity(1, os.getuid(), 0), os.getuid())
+    with pytest.raises(OwnershipError, match="uid"):
+        check_peer(PeerIdentity(1, os.getuid() + 1, 0), os.getuid())
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(ServiceError, match="mode"):
+        prepare_socket_dir(str(open_dir / "s.sock"))
+    prepare_socket_dir(str(tmp_path / "new" / "s.sock"))
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o700
+
+
+# ---------------------------------------------------------------------------------- live service
+@pytest.fixture(scope="module")
+def service():
+    with socket_dir() as d:
+        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), max_body_bytes=MAX_BODY,
+                            frame_timeout_s=1.0)
+        with CacheService(cfg) as svc:
+            yield svc
+
+
+def _raw(service) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(service.socket_path)
+    return s
+
+
+def _reply_or_closed(s: socket.socket):
+    """The service's answer to garbage: a typed error reply, or a closed connection (``None``)."""
+    try:
+        msg = protocol.read_message(s, max_body_bytes=MAX_BODY)
+    except protocol.ConnectionClosed:
+        return None
+    except OSError:
+        return None
+    assert msg.header.get("ok") is False and msg.header["error"]["code"] in protocol.ERROR_CODES
+    return msg
+
+
+def _healthy(service) -> None:
+    with CacheClient(service.socket_path, timeout=30) as c:
+        assert c.status()["healthy"] is True
+
+
+def test_socket_is_private(service):
+    st = os.stat(service.socket_path)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(service.socket_path)).st_mode) == 0o700
+
+
+def test_random_bytes(service):
+    rng = random.Random(1234)
+    for i in range(24):
+        s = _raw(service)
+        with s:
+            blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 256)))
+            if i % 3 == 0:  # garbage after a valid magic and version reaches the length checks
+                blob = b"KMSH\x01\x00" + blob
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)
+            _reply_or_closed(s)
+    _healthy(service)
+
+
+@pytest.mark.parametrize("header_len, body_len", [(0xFFFFFFFF, 0), (16, 0xFFFFFFFF), (16, MAX_BODY + 1),
+                                                  (protocol.MAX_HEADER_BYTES + 1, 0)],
+                         ids=["header-4G", "body-4G", "body-over-limit", "header-over-limit"])
+def test_absurd_lengths_get_an_error_and_close(service, header_len, body_len):
+    with _raw(service) as s:
+        s.sendall(struct.pack("<4sHHII", b"KMSH", 1, 0, header_len, body_len))
+        msg = _reply_or_closed(s)
+        assert msg is not None and msg.header["error"]["code"] == "protocol"
+        assert _reply_or_closed(s) is None  # then the service closes the connection
+    _healthy(service)
+
+
+def test_oversized_message_from_client_is_refused(service):
+    with CacheClient(service.socket_path, max_body_bytes=4 * MAX_BODY) as c:
+        big = torch.zeros(2, 1, MAX_BODY // 8 + 1, 1, 4, dtype=torch.bfloat16)
+        with pytest.raises(ServiceError):  # error reply, then closed: the client sees the connection end
+            try:
+                c.put("too-big", big, torch.arange(big.shape[2]))
+            except ProtocolError as exc:  # the reply may win the race with the rest of the upload
+                raise ServiceError(str(exc)) from exc
+    _healthy(service)
+
+
+def test_truncated_then_silent_then_closed(service):
+    frame = protocol.encode({"op": "status", "id": 1})
+    with _raw(service) as s:
+        s.sendall(frame[:7])  # stalls inside the prefix: the frame timeout (1 s) ends it
+        assert _reply_or_closed(s) is None
+    with _raw(service) as s:
+        s.sendall(frame[:-3])
+        s.shutdown(socket.SHUT_WR)
+        assert _reply_or_closed(s) is None
+    _healthy(service)
+
+
+def test_malformed_requests_keep_the_connection(service):
+    with _raw(service) as s:
+        bad = [
+            {"op": "no-such-op", "id": 1},
+            {"id": 2},
+            {"op": "restore", "id": 3, "reg": "one", "secret": "00"},
+            {"op": "restore", "id": 4, "reg": 1, "secret": "zz"},
+            {"op": "put", "id": 5, "key": "k", "tensors": {"kv": {"dtype": "bfloat16", "shape": [2], "offset": 0,
+                                                                  "nbytes": 400}}},
+            {"op": "register", "id": 6, "memory": {"kind": "cumem_fd", "handle": "00", "offset": 0, "nbytes": 1,
+                                                   "device": 0}, "layout": {}},
+            {"op": "register", "id": 7, "memory": {"kind": "shm", "handle": "2e2e2f6574632f706173737764",
+                                                   "offset": 0, "nbytes": 64, "device": -1},
+             "layout": {"sizes": [1, 1, 1, 1, 2], "k_strides": [4, 4, 2, 2, 1], "v_strides": [4, 4, 2, 2, 1],
+                        "k_offset": 0, "v_offset": 2, "dtype": "float32", "physical_shape": [16]}},
+            {"op": "get", "id": 8, "key": "absent"},
+        ]
+        codes = []
+        for h in bad:
+            protocol.send_message(s, h)
+            msg = protocol.read_message(s)
+            assert msg.header["ok"] is False
+            codes.append(msg.header["error"]["code"])
+        assert codes[:4] == ["protocol", "protocol", "protocol", "ownership"]
+        assert codes[5:8] == ["protocol", "protocol", "not_found"]
+        protocol.send_message(s, {"op": "status", "id": 9})
+        assert protocol.read_message(s).header["healthy"] is True

@@ -1,0 +1,357 @@
+"""Host-RAM tier (retention, eviction, budget, singleflight) and the O_DIRECT reader beneath it."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import kmesh_host.store as store_mod
+from kmesh_host import (
+    BudgetExceeded,
+    FingerprintMismatch,
+    HostTier,
+    HostTierConfig,
+    IntegrityError,
+    ModelFingerprint,
+    SegmentNotFound,
+    SegmentStore,
+    SingleFlight,
+)
+from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
+
+FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
+OBJ = 8192  # padded payload of one test segment: (2, 2, 64, 2, 8) bf16 = 8192 bytes
+
+
+def kv_for(seed, T=64):
+    return torch.randn((2, 2, T, 2, 8), generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SegmentStore(tmp_path / "store")
+
+
+@pytest.fixture
+def keys(store):
+    return [store.put(kv_for(i), torch.arange(64), torch.arange(64), model_fingerprint=FP) for i in range(4)]
+
+
+def tier_for(store, **kw):
+    kw.setdefault("pin", False)
+    kw.setdefault("read_threads", 2)
+    kw.setdefault("chunk_bytes", 4096)
+    return HostTier(store, HostTierConfig(**kw))
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached")
+        time.sleep(0.002)
+
+
+# ------------------------------------------------------------------ singleflight
+def run_threads(n, fn):
+    results, errors = [None] * n, [None] * n
+
+    def body(i):
+        try:
+            results[i] = fn(i)
+        except BaseException as exc:  # collected and asserted by the caller
+            errors[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def test_singleflight_joins_and_propagates_failure():
+    sf = SingleFlight()
+    gate = threading.Event()
+    calls = []
+
+    def work():
+        calls.append(1)
+        gate.wait(10)
+        return "value"
+
+    def opener():
+        wait_until(lambda: sf.waiting("k") == 5)
+        gate.set()
+
+    threading.Thread(target=opener).start()
+    results, errors = run_threads(6, lambda i: sf.do("k", work))
+    assert errors == [None] * 6 and len(calls) == 1
+    assert sorted(r[1] for r in results) == [False] + [True] * 5 and {r[0] for r in results} == {"value"}
+    assert sf.in_flight() == 0
+
+    gate.clear()
+
+    def failing():
+        gate.wait(10)
+        raise IntegrityError("segment k: boom")
+
+    threading.Thread(target=opener).start()
+    results, errors = run_threads(6, lambda i: sf.do("k", failing))
+    assert all(isinstance(e, IntegrityError) for e in errors)
+    assert sf.in_flight() == 0
+    assert sf.do("k", lambda: 3) == (3, False)  # not a cache: the next call runs again
+
+
+def _gate_reads(monkeypatch, tier, key, waiters, *, fail=None):
+    """Block the tier's header read for ``key`` until ``waiters`` callers have joined."""
+    real = tier.store.read_header
+
+    def gated(k):
+        wait_until(lambda: tier.waiting(k) >= waiters)
+        if fail is not None:
+            raise fail
+        return real(k)
+
+    monkeypatch.setattr(tier.store, "read_header", gated)
+
+
+def test_concurrent_loads_of_one_key_do_one_read(store, keys, monkeypatch):
+    tier = tier_for(store)
+    _gate_reads(monkeypatch, tier, keys[0], 7)
+    results, errors = run_threads(8, lambda i: tier.acquire(keys[0], model_fingerprint=FP))
+    assert errors == [None] * 8
+    assert tier.stats["reads"] == 1 and tier.stats["bytes_read"] == OBJ and tier.stats["joins"] == 7
+    assert sorted(r.source for r in results) == ["joined"] * 7 + ["read"]
+    expect = kv_for(0)
+    assert all(torch.equal(r.kv, expect) for r in results)
+    for r in results:
+        r.release()
+    assert tier.in_flight() == 0 and tier.pool.in_use_bytes == OBJ  # retained, not leaked
+    tier.close()
+
+
+def test_failed_load_reaches_every_joiner_and_leaks_nothing(store, keys, monkeypatch):
+    tier = tier_for(store)
+    _gate_reads(monkeypatch, tier, keys[1], 5, fail=IntegrityError(f"segment {keys[1]}: injected"))
+    results, errors = run_threads(6, lambda i: tier.acquire(keys[1], model_fingerprint=FP))
+    assert all(isinstance(e, IntegrityError) and keys[1] in str(e) for e in errors)
+    assert tier.in_flight() == 0 and tier.pool.in_use_bytes == 0 and keys[1] not in tier
+    monkeypatch.undo()
+    with tier.acquire(keys[1], model_fingerprint=FP) as lease:
+        assert torch.equal(lease.kv, kv_for(1))
+    tier.close()
+
+
+def test_corrupt_payload_fails_every_joiner(store, keys, monkeypatch):
+    path = store.path(keys[2])
+    off = store.read_header(keys[2]).payload_offset
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        f.write(b"\x00\x01")
+    tier = tier_for(store, verify="sha256")
+    _gate_reads(monkeypatch, tier, keys[2], 3)
+    results, errors = run_threads(4, lambda i: tier.acquire(keys[2], model_fingerprint=FP))
+    assert all(isinstance(e, IntegrityError) and keys[2] in str(e) for e in errors)
+    assert tier.stats["failures"] == 1 and tier.pool.in_use_bytes == 0 and tier.in_flight() == 0
+    tier.close()
+
+
+def test_missing_segment_and_wrong_fingerprint(store, keys):
+    tier = tier_for(store)
+    with pytest.raises(SegmentNotFound):
+        tier.acquire("cd" * 32, model_fingerprint=FP)
+    other = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
+    with pytest.raises(FingerprintMismatch):
+        tier.acquire(keys[0], model_fingerprint=other)
+    assert tier.stats["reads"] == 0  # refused before reading the payload
+    tier.acquire(keys[0], model_fingerprint=FP).release()
+    with pytest.raises(FingerprintMismatch):
+        tier.acquire(keys[0], model_fingerprint=other)  # resident: checked on the hit too
+    assert tier.evict() == OBJ and tier.pool.in_use_bytes == 0
+    tier.close()
+
+
+# ------------------------------------------------------------------ retention, eviction, budget
+@pytest.mark.parametrize("retain", [True, False], ids=["retain", "no-retain"])
+def test_retention_across_children(store, keys, retain):
+    tier = tier_for(store, retain=retain)
+    sources = []
+    for _child in range(3):
+        with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+            sources.append(lease.source)
+            assert torch.equal(lease.kv, kv_for(0))
+    assert sources == (["read", "hit", "hit"] if retain else ["read"] * 3)
+    assert tier.stats["reads"] == (1 if retain else 3)
+    assert tier.pool.allocations == 1  # released buffers are reused, not re-pinned
+    tier.close()
+
+
+def test_explicit_evict_forces_a_fresh_read(store, keys):
+    tier = tier_for(store)
+    for _child in range(4):
+        tier.evict(drop_page_cache=True)
+        with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+            assert lease.source == "read"
+    assert tier.stats["reads"] == 4
+    tier.close()
+
+
+def test_evict_while_leased_keeps_the_lease_valid(store, keys):
+    tier = tier_for(store)
+    lease = tier.acquire(keys[0], model_fingerprint=FP)
+    assert tier.evict(keys[0]) == 0  # still leased: nothing freed yet
+    assert keys[0] not in tier
+    assert torch.equal(lease.kv, kv_for(0))
+    with tier.acquire(keys[0], model_fingerprint=FP) as again:
+        assert again.source == "read"
+    lease.release()
+    lease.release()  # idempotent
+    assert tier.pool.in_use_bytes == OBJ  # only the new resident copy
+    tier.close()
+
+
+def test_budget_evicts_least_recently_used(store, keys):
+    tier = tier_for(store, budget_bytes=2 * OBJ)
+    for k in keys[:3]:
+        tier.acquire(k, model_fingerprint=FP).release()
+    assert tier.resident() == keys[1:3] and tier.pool.held_bytes <= 2 * OBJ
+    tier.acquire(keys[1], model_fingerprint=FP).release()  # touch: keys[2] is now the oldest
+    tier.acquire(keys[3], model_fingerprint=FP).release()
+    assert tier.resident() == [keys[1], keys[3]]
+    tier.close()
+
+
+def test_budget_exceeded_by_live_leases(store, keys):
+    tier = tier_for(store, budget_bytes=2 * OBJ)
+    a = tier.acquire(keys[0], model_fingerprint=FP)
+    b = tier.acquire(keys[1], model_fingerprint=FP)
+    with pytest.raises(BudgetExceeded, match=keys[2]):
+        tier.acquire(keys[2], model_fingerprint=FP)
+    assert tier.in_flight() == 0 and tier.pool.in_use_bytes == 2 * OBJ
+    a.release()
+    b.release()
+    with tier.acquire(keys[2], model_fingerprint=FP) as c:
+        assert torch.equal(c.kv, kv_for(2))
+    tier.close()
+    small = tier_for(store, budget_bytes=OBJ // 2)
+    with pytest.raises(BudgetExceeded):
+        small.acquire(keys[0], model_fingerprint=FP)
+    small.close()
+
+
+def test_on_chunk_streams_the_payload_in_order(store, keys):
+    tier = tier_for(store, chunk_bytes=4096)
+    seen = bytearray()
+    ranges = []
+
+    def on_chunk(chunk, lo, hi):
+        ranges.append((lo, hi))
+        assert lo == len(seen)
+        seen.extend(chunk.numpy().tobytes())
+
+    with tier.acquire(keys[0], model_fingerprint=FP, on_chunk=on_chunk) as lease:
+        assert lease.source == "read" and lease.o_direct is True
+        assert bytes(seen) == lease.payload.numpy().tobytes()
+    assert ranges == [(0, 4096), (4096, 8192)]
+    tier.close()
+
+
+def test_pyarrow_filesystem_tier():
+    store = SegmentStore("mock:///tier")
+    key = store.put(kv_for(5), torch.arange(64), torch.arange(64), model_fingerprint=FP)
+    tier = tier_for(store)
+    with tier.acquire(key, model_fingerprint=FP) as lease:
+        assert torch.equal(lease.kv, kv_for(5)) and lease.o_direct is False
+    tier.close()
+
+
+# ------------------------------------------------------------------ O_DIRECT reader
+@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 10000, 3 * 4096 + 5])
+def test_direct_reads_of_unaligned_sizes(tmp_path, size):
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(size)
+    open(path, "wb").write(data)
+    with DirectFile(path) as f, ReadEngine(2, 4096) as engine, HostBuffer(size + 2 * ALIGN) as buf:
+        assert buf.address % ALIGN == 0
+        assert bytes(engine.read(f, 0, size, buf.view)) == data
+        for off, n in [(size // 2, size - size // 2), (size - 1, 1), (min(4096, size - 1), size - min(4096, size - 1))]:
+            assert bytes(engine.read(f, off, n, buf.view)) == data[off: off + n]
+        with pytest.raises(IntegrityError):
+            engine.read(f, 0, size + 1, buf.view)
+        with pytest.raises(ValueError):
+            engine.read(f, 0, size, buf.view[:ALIGN // 2])
+
+
+def test_o_direct_refused_at_open_falls_back(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(5000)
+    open(path, "wb").write(data)
+    real_open = os.open
+
+    def refusing(p, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with DirectFile(path) as f, ReadEngine(1, 4096) as engine, HostBuffer(8192) as buf:
+        assert not f.o_direct and "refused O_DIRECT" in f.fallback_reason
+        assert bytes(engine.read(f, 0, 5000, buf.view)) == data
+
+
+def test_o_direct_refused_at_read_falls_back(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(9000)
+    open(path, "wb").write(data)
+    real = os.preadv
+    state = {"refused": 0}
+
+    def refusing(fd, bufs, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and state["refused"] == 0:
+            state["refused"] += 1
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", refusing)
+    with DirectFile(path) as f, ReadEngine(1, 16384) as engine, HostBuffer(16384) as buf:
+        assert bytes(engine.read(f, 0, 9000, buf.view)) == data
+        assert state["refused"] == 1 and not f.o_direct and "read" in f.fallback_reason
+
+
+def test_tier_reports_the_fallback(store, keys, monkeypatch):
+    real_open = os.open
+
+    def refusing(p, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing)
+    tier = tier_for(store)
+    with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+        assert lease.o_direct is False and "O_DIRECT" in lease.io_note
+        assert torch.equal(lease.kv, kv_for(0))
+    tier.close()
+
+
+def test_store_module_does_not_read_payload_for_headers(store, keys, monkeypatch):
+    """read_header touches only the head and footer (the payload is left to the routes)."""
+    reads = []
+    real = store_mod._LocalRandomAccess.read_into
+
+    def spy(self, view, offset):
+        reads.append((offset, len(view)))
+        return real(self, view, offset)
+
+    monkeypatch.setattr(store_mod._LocalRandomAccess, "read_into", spy)
+    h = store.read_header(keys[0])
+    lo, hi = h.payload_offset, h.payload_offset + h.padded_length
+    assert all(off + n <= lo or off >= hi for off, n in reads)
