@@ -339,14 +339,16 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     rows = 2 * L * tables["total"]
     if rows == 0:
         return
-    if vec:  # one lane per 8 elements of a row; several rows per 256-thread block
+    if vec:  # one lane per 8 elements of a row; several tokens per 256-thread block; grid.y = (K|V, layer)
         lanes = min(H * D // 8, 256)
+        rows_per_block = max(1, 256 // lanes)
+        grid = (min((tables["total"] + rows_per_block - 1) // rows_per_block, 65535), 2 * L)
     else:  # one lane per element pair (or 16-byte vector), a warp at least
         lanes = 32
         while lanes < 128 and lanes < H * (D // 2):
             lanes *= 2
-    rows_per_block = max(1, 256 // lanes)
-    blocks = min((rows + rows_per_block - 1) // rows_per_block, 132 * 16)
+        rows_per_block = max(1, 256 // lanes)
+        grid = (min((rows + rows_per_block - 1) // rows_per_block, 132 * 16),)
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
 
@@ -355,12 +357,14 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
 
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
     with cupy.cuda.Device(dev_id), stream:
-        kernel((blocks,), (lanes, rows_per_block), (
+        kernel(grid, (lanes, rows_per_block), (
             p(tables["kv_ptrs"]), p(tables["item_tok_start"]), p(tables["tok_item"]), p(tables["slots"]),
             p(tables["old_pos"]), p(tables["new_pos"]), p(tables["layer_base"]), p(tables["item_cache"]),
             p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N),
             cupy.int64(tables["total"]), cupy.int32(int(gather)), cupy.int32(int(rope is not None)),
-            cupy.int32(neox), cupy.int32(rd)) + (() if vec else (cupy.int32(int(tables["vec16"])),)) + (
+            cupy.int32(neox), cupy.int32(rd)) + (
+            (cupy.int32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),) if vec
+            else (cupy.int32(int(tables["vec16"])),)) + (
             p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]),
         ))
 

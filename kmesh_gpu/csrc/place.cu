@@ -111,26 +111,6 @@ template <> struct Vec4<__nv_bfloat16> { typedef uint2 type; };
 template <> struct Vec4<unsigned char> { typedef unsigned int type; };
 
 template <typename T>
-__device__ __forceinline__ void rotate4(T* out0, T* out1, const T* in0, const T* in1, const float* cs, int rd,
-                                        long long po, long long pn, int i0, int istep, float scale,
-                                        const float* fp8_table) {
-    // pair k is (in0[k], in1[k]) with rotation index i0 + k * istep; one rounding per output.
-    const int half = rd >> 1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int i = i0 + k * istep;
-        const float x0 = Elem<T>::load(in0 + k, fp8_table, scale);
-        const float x1 = Elem<T>::load(in1 + k, fp8_table, scale);
-        const float c0 = cs[po * rd + i], s0 = cs[po * rd + half + i];
-        const float c1 = cs[pn * rd + i], s1 = cs[pn * rd + half + i];
-        const float u0 = __fadd_rn(__fmul_rn(x0, c0), __fmul_rn(x1, s0));
-        const float u1 = __fsub_rn(__fmul_rn(x1, c0), __fmul_rn(x0, s0));
-        Elem<T>::store(out0 + k, __fsub_rn(__fmul_rn(u0, c1), __fmul_rn(u1, s1)), scale);
-        Elem<T>::store(out1 + k, __fadd_rn(__fmul_rn(u1, c1), __fmul_rn(u0, s1)), scale);
-    }
-}
-
-template <typename T>
 __global__ void kmesh_place_vec(
     const unsigned long long* __restrict__ kv_ptrs, const long long* __restrict__ item_tok_start,
     const long long* __restrict__ tok_item, const long long* __restrict__ slots,
@@ -138,31 +118,34 @@ __global__ void kmesh_place_vec(
     const unsigned long long* __restrict__ layer_base, const long long* __restrict__ item_cache,
     const long long* __restrict__ k_st, const long long* __restrict__ v_st,
     long long L, long long H, long long D, long long N, long long T_total,
-    int gather, int rope, int neox, int rd,
+    int gather, int rope, int neox, int rd, int n_shift,
     const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
 {
+    // grid.y = kvsel * L + l (no division per row); grid.x strides over tokens, threadIdx.y picks one.
     typedef typename Vec4<T>::type V4;
-    const long long rows = 2 * L * T_total;
+    const int lk = blockIdx.y;
+    const int Li = (int)L;
+    const int kvsel = lk >= Li ? 1 : 0;
+    const int l = lk - kvsel * Li;
     const int Di = (int)D, lanes_per_head = Di >> 3, lanes_per_row = (int)H * lanes_per_head;
-    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
-         row += (long long)gridDim.x * blockDim.y) {
-        const long long g = row % T_total;
-        const long long lk = row / T_total;
-        const long long l = lk % L;
-        const int kvsel = (int)(lk / L);
+    const long long* s = kvsel ? v_st : k_st;
+    const long long s_block = s[0], s_head = s[1], s_tok = s[2], s_off = s[4];
+    const bool rotate = rope && !gather && kvsel == 0;
+    const float scale = k_scale[l];
+    const int half = rd >> 1;
+    for (long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y; g < T_total;
+         g += (long long)gridDim.x * blockDim.y) {
         const long long slot = slots[g];
         if (slot < 0) continue;
         const long long item = tok_item[g];
-        const long long t = g - item_tok_start[item];
-        const long long T_i = item_tok_start[item + 1] - item_tok_start[item];
-        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + ((kvsel * L + l) * T_i + t) * (H * D);
-        const long long* s = kvsel ? v_st : k_st;
-        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l]) + s[4] + (slot / N) * s[0]
-                 + (slot % N) * s[2];
-        const long long s_head = s[1];
-        const bool rotate = rope && !gather && kvsel == 0;
-        const float scale = k_scale[l];
-        const long long po = rotate ? old_pos[g] : 0, pn = rotate ? new_pos[g] : 0;
+        const long long t0 = item_tok_start[item];
+        const long long T_i = item_tok_start[item + 1] - t0;
+        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + (((long long)lk * T_i + (g - t0)) * H) * D;
+        const long long blk = n_shift >= 0 ? (slot >> n_shift) : slot / N;
+        const long long pos = slot - blk * N;
+        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l]) + s_off + blk * s_block + pos * s_tok;
+        const float* cs_old = rotate ? cos_sin + old_pos[g] * rd : cos_sin;
+        const float* cs_new = rotate ? cos_sin + new_pos[g] * rd : cos_sin;
         for (int p = threadIdx.x; p < lanes_per_row; p += blockDim.x) {
             const int h = p / lanes_per_head, c = p - h * lanes_per_head;
             T* a = src + h * Di;
@@ -170,34 +153,48 @@ __global__ void kmesh_place_vec(
             if (!(rotate && c < (rd >> 3))) {  // plain copy of elements [8c, 8c+8)
                 V4* va = reinterpret_cast<V4*>(a + 8 * c);
                 V4* vb = reinterpret_cast<V4*>(b + 8 * c);
-                if (gather) { va[0] = vb[0]; va[1] = vb[1]; } else { vb[0] = va[0]; vb[1] = va[1]; }
+                if (gather) { const V4 x = vb[0], y = vb[1]; va[0] = x; va[1] = y; }
+                else { const V4 x = va[0], y = va[1]; vb[0] = x; vb[1] = y; }
                 continue;
             }
-            V4 in0, in1, out0, out1;
             const int e0 = neox ? 4 * c : 8 * c;
-            const int e1 = neox ? 4 * c + (rd >> 1) : 8 * c + 4;
-            in0 = *reinterpret_cast<const V4*>(a + e0);
-            in1 = *reinterpret_cast<const V4*>(a + e1);
+            const int e1 = neox ? 4 * c + half : 8 * c + 4;
+            V4 in0 = *reinterpret_cast<const V4*>(a + e0);
+            V4 in1 = *reinterpret_cast<const V4*>(a + e1);
+            // cos/sin of pair indices 4c..4c+3 at both positions: four 16-byte loads
+            const float4 cp = *reinterpret_cast<const float4*>(cs_old + 4 * c);
+            const float4 sp = *reinterpret_cast<const float4*>(cs_old + half + 4 * c);
+            const float4 cq = *reinterpret_cast<const float4*>(cs_new + 4 * c);
+            const float4 sq = *reinterpret_cast<const float4*>(cs_new + half + 4 * c);
+            const float cpa[4] = {cp.x, cp.y, cp.z, cp.w}, spa[4] = {sp.x, sp.y, sp.z, sp.w};
+            const float cqa[4] = {cq.x, cq.y, cq.z, cq.w}, sqa[4] = {sq.x, sq.y, sq.z, sq.w};
             const T* x0 = reinterpret_cast<const T*>(&in0);
             const T* x1 = reinterpret_cast<const T*>(&in1);
+            T ev[4], od[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                // neox: pair k = (x0[k], x1[k]); GPT-J: pair k = elements (2k, 2k+1) of x0|x1
+                ev[k] = neox ? x0[k] : (k < 2 ? x0[2 * k] : x1[2 * (k - 2)]);
+                od[k] = neox ? x1[k] : (k < 2 ? x0[2 * k + 1] : x1[2 * (k - 2) + 1]);
+            }
+            T ye[4], yo[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float u = Elem<T>::load(ev + k, fp8_table, scale);
+                const float v = Elem<T>::load(od + k, fp8_table, scale);
+                const float u0 = __fadd_rn(__fmul_rn(u, cpa[k]), __fmul_rn(v, spa[k]));
+                const float u1 = __fsub_rn(__fmul_rn(v, cpa[k]), __fmul_rn(u, spa[k]));
+                Elem<T>::store(ye + k, __fsub_rn(__fmul_rn(u0, cqa[k]), __fmul_rn(u1, sqa[k])), scale);
+                Elem<T>::store(yo + k, __fadd_rn(__fmul_rn(u1, cqa[k]), __fmul_rn(u0, sqa[k])), scale);
+            }
+            V4 out0, out1;
             T* y0 = reinterpret_cast<T*>(&out0);
             T* y1 = reinterpret_cast<T*>(&out1);
-            if (neox) {
-                rotate4<T>(y0, y1, x0, x1, cos_sin, rd, po, pn, 4 * c, 1, scale, fp8_table);
-            } else {
-                // GPT-J: pairs are adjacent elements; regroup the 8 elements into 4 (even, odd) pairs
-                T ev[4], od[4], ye[4], yo[4];
 #pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    ev[k] = x0[2 * k]; od[k] = x0[2 * k + 1];
-                    ev[k + 2] = x1[2 * k]; od[k + 2] = x1[2 * k + 1];
-                }
-                rotate4<T>(ye, yo, ev, od, cos_sin, rd, po, pn, 4 * c, 1, scale, fp8_table);
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    y0[2 * k] = ye[k]; y0[2 * k + 1] = yo[k];
-                    y1[2 * k] = ye[k + 2]; y1[2 * k + 1] = yo[k + 2];
-                }
+            for (int k = 0; k < 4; ++k) {
+                if (neox) { y0[k] = ye[k]; y1[k] = yo[k]; }
+                else if (k < 2) { y0[2 * k] = ye[k]; y0[2 * k + 1] = yo[k]; }
+                else { y1[2 * (k - 2)] = ye[k]; y1[2 * (k - 2) + 1] = yo[k]; }
             }
             *reinterpret_cast<V4*>(b + e0) = out0;
             *reinterpret_cast<V4*>(b + e1) = out1;
