@@ -166,7 +166,7 @@ def test_verify_tree_roots_names_the_bad_object(device, backend):
         verify_tree_roots(on_device, offs, lens, roots, leaf_size=64, fanout=4, backend=backend)
     # Stored under other parameters: the roots differ, so verification refuses rather than passes.
     with pytest.raises(IntegrityError, match="object 0"):
-        verify_tree_roots(data, offs, lens, roots, leaf_size=128, fanout=4, backend=backend)
+        verify_tree_roots(data.to(device), offs, lens, roots, leaf_size=128, fanout=4, backend=backend)
 
 
 def test_inputs_numpy_bytes_and_empty():
