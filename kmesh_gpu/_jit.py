@@ -39,14 +39,28 @@ def _module(device_id: int, source_name: str, name_expressions: tuple[str, ...],
     return mod
 
 
+@functools.cache
 def get_kernel(source_name: str, kernel_name: str, *, device_id: int,
                name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
     """Return the compiled ``kernel_name`` from ``csrc/source_name`` for CUDA device ``device_id``.
 
-    ``kernel_name`` must be one of ``name_expressions`` for templated kernels.
+    ``kernel_name`` must be one of ``name_expressions`` for templated kernels. Function objects are
+    memoised too: looking one up costs microseconds, and launches are on latency-critical paths.
     """
     mod = _module(device_id, source_name, tuple(name_expressions), tuple(options))
     import cupy
 
     with cupy.cuda.Device(device_id):
         return mod.get_function(kernel_name)
+
+
+@functools.lru_cache(maxsize=64)
+def cupy_stream(handle: int, device_id: int):
+    """CuPy's view of a CUDA stream handle (torch's current stream), cached per handle and device."""
+    import warnings
+
+    import cupy
+
+    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but is the raw-handle form
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device_id)

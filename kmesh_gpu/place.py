@@ -66,22 +66,22 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
     return flats, per_layer
 
 
-def _index(name: str, x, n: int, device: torch.device) -> torch.Tensor:
-    """Validate an int64[n] index tensor's type and shape; return it on ``device`` (values are
-    checked later, for all items at once, with a single synchronisation)."""
+def _index(name: str, x, n: int) -> torch.Tensor:
+    """Validate an int64[n] index tensor's type and shape (values are checked later, for all items
+    at once, where the indices live)."""
     if not isinstance(x, torch.Tensor):
         raise LayoutError(f"{name}: expected a torch int64[{n}] tensor, got {type(x).__name__}")
     if x.dtype != torch.int64 or x.dim() != 1 or x.shape[0] != n:
         raise LayoutError(f"{name}: expected int64[{n}], got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
-    return x.to(device)
+    return x
 
 
 @dataclass
 class _Item:
     kv: torch.Tensor          # (2, L, T, H, D), storage dtype, contiguous
     cache_key: tuple          # identity of the destination cache
-    slots: torch.Tensor       # int64[T] host
-    old: torch.Tensor | None  # int64[T] host
+    slots: torch.Tensor       # int64[T], a view of the batch's concatenated slots (index device)
+    old: torch.Tensor | None  # int64[T] likewise
     new: torch.Tensor | None
 
 
@@ -117,6 +117,7 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
     n = len(kvs)
     cache_views: dict[tuple, tuple[list[torch.Tensor], bool]] = {}
     items: list[_Item] = []
+    raw_slots, raw_old, raw_new = [], [], []
     device = None
     for i in range(n):
         c = caches[i]
@@ -129,13 +130,27 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
         kv = _check_kv("kv" if n == 1 else f"kvs[{i}]", kvs[i], layout, device)
         T = kv.shape[2]
         sfx = "" if n == 1 else f"[{i}]"
-        sl = _index("slots" + sfx, slots[i], T, device)
-        old = new = None
+        raw_slots.append(_index("slots" + sfx, slots[i], T))
         if rope is not None:
-            old = _index("old_positions" + sfx, old_positions[i], T, device)
-            new = _index("new_positions" + sfx, new_positions[i], T, device)
-        items.append(_Item(kv, key, sl, old, new))
-    _check_values(items, layout, rope, check_duplicates=not gather)
+            raw_old.append(_index("old_positions" + sfx, old_positions[i], T))
+            raw_new.append(_index("new_positions" + sfx, new_positions[i], T))
+        items.append(_Item(kv, key, None, None, None))
+    # One concatenation per index kind, on the device of the first slots tensor (usually the host,
+    # where schedulers build slot mappings); every value check then runs once over the batch.
+    idx_dev = raw_slots[0].device if raw_slots else torch.device("cpu")
+    all_slots = torch.cat([x.to(idx_dev) for x in raw_slots]) if raw_slots else torch.zeros(0, dtype=torch.int64)
+    all_old = torch.cat([x.to(idx_dev) for x in raw_old]) if rope is not None and raw_old else None
+    all_new = torch.cat([x.to(idx_dev) for x in raw_new]) if rope is not None and raw_new else None
+    pos = 0
+    for it in items:
+        T = it.kv.shape[2]
+        it.slots = all_slots[pos:pos + T]
+        if all_old is not None:
+            it.old, it.new = all_old[pos:pos + T], all_new[pos:pos + T]
+        pos += T
+    cache_ids = list(cache_views)
+    _check_values(items, layout, rope, all_slots, all_old, all_new,
+                  [cache_ids.index(it.cache_key) for it in items], check_duplicates=not gather)
     scale = None
     if layout.storage_dtype == torch.uint8 and rope is not None:
         scale = _k_scale(k_scale, layout.num_layers)
@@ -144,27 +159,31 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
     return items, cache_views, device, scale
 
 
-def _check_values(items: list[_Item], layout: KVLayout, rope, *, check_duplicates: bool) -> None:
-    """Range checks of slots and positions and the no-duplicate-slot rule, computed where the
-    indices live and read back with one synchronisation; details only on failure."""
+def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old, all_new, item_cache: list[int],
+                  *, check_duplicates: bool) -> None:
+    """Range checks of slots and positions and the no-duplicate-slot rule over the whole batch, where
+    the indices live, read back with one synchronisation; details are worked out only on failure."""
     n, S = len(items), layout.num_slots
-    flags = []
-    for it in items:
-        valid = it.slots >= 0
-        flags.append(((it.slots < -1) | (it.slots >= S)).any())
-        if rope is not None:
-            P = rope.num_positions
-            flags.append((((it.old < 0) | (it.old >= P)) & valid).any())
-            flags.append((((it.new < 0) | (it.new >= P)) & valid).any())
-    by_cache: dict[tuple, list[torch.Tensor]] = {}
+    if all_slots.numel() == 0:
+        return
+    valid = all_slots >= 0
+    flags = [((all_slots < -1) | (all_slots >= S)).any()]
+    if rope is not None:
+        P = rope.num_positions
+        flags.append((((all_old < 0) | (all_old >= P)) & valid).any())
+        flags.append((((all_new < 0) | (all_new >= P)) & valid).any())
     if check_duplicates:  # two writes to one slot of one cache would race
-        for it in items:
-            by_cache.setdefault(it.cache_key, []).append(it.slots)
-        for parts in by_cache.values():
-            allslots = torch.cat(parts)
-            counts = torch.bincount(allslots.clamp(-1, S - 1) + 1, minlength=S + 1)[1:]
-            flags.append(counts.max() > 1 if counts.numel() else torch.zeros((), dtype=torch.bool))
-    if not flags or not bool(torch.stack(flags).any()):
+        counts = torch.tensor([it.kv.shape[2] for it in items], device=all_slots.device)
+        which = torch.repeat_interleave(torch.tensor(item_cache, device=all_slots.device), counts,
+                                        output_size=all_slots.numel())
+        key = (which * S + all_slots.clamp(0, S - 1))[valid]
+        bins = (max(item_cache) + 1) * S
+        if bins <= max(1 << 22, 8 * key.numel()):
+            flags.append(torch.bincount(key, minlength=bins).max() > 1 if key.numel() else flags[0] & False)
+        else:
+            srt = torch.sort(key).values
+            flags.append((srt[1:] == srt[:-1]).any())
+    if not bool(torch.stack(flags).any()):
         return
     for i, it in enumerate(items):  # failure: find the first offending argument and describe it
         sfx = "" if n == 1 else f"[{i}]"
@@ -251,8 +270,16 @@ def _torch_run(items, cache_views, layout, rope, scale, *, gather: bool) -> None
 
 
 # ---------------------------------------------------------------------------------- kernel tables
+_VEC_PER = 4  # chunks of 8 elements per lane in kmesh_place_vec
+
+
 def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.device) -> dict:
-    """Pack the launch tables (one int64 host buffer, one copy to the device)."""
+    """Build the launch tables where the indices live and move them to ``device`` in one copy.
+
+    Small tables: item and cache addresses, strides. Per-token tables (``tok``, the vectorised
+    kernel's input): slot, source row address, source step per (K|V, layer), destination offsets of
+    K and V within a layer, the cache's first layer-base index, old and new position.
+    """
     keys = list(cache_views)
     L, itemsize = layout.num_layers, layout.storage_dtype.itemsize
     layer_base = []
@@ -271,36 +298,51 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
         starts.append(starts[-1] + c)
     total = starts[-1]
 
-    def u64(vals):  # addresses as int64 bit patterns
+    def i64(vals):  # addresses as int64 bit patterns
         return torch.tensor([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=torch.int64)
 
-    st = layout.k_strides
-    vt = layout.v_strides
-    host_parts = {
-        "kv_ptrs": u64([it.kv.data_ptr() for it in items]),
+    st, vt = layout.k_strides, layout.v_strides
+    kv_ptrs = [it.kv.data_ptr() for it in items]
+    item_cache = [keys.index(it.cache_key) for it in items]
+    small = {
+        "kv_ptrs": i64(kv_ptrs),
         "item_tok_start": torch.tensor(starts, dtype=torch.int64),
-        "layer_base": u64(layer_base),
-        "item_cache": torch.tensor([keys.index(it.cache_key) for it in items], dtype=torch.int64),
+        "layer_base": i64(layer_base),
+        "item_cache": torch.tensor(item_cache, dtype=torch.int64),
         "k_st": torch.tensor([st[1], st[2], st[3], st[4], layout.k_offset], dtype=torch.int64),
         "v_st": torch.tensor([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=torch.int64),
     }
-    dev = torch.cat(list(host_parts.values())).to(device)  # one small upload
-    out, pos = {}, 0
-    for name, t in host_parts.items():
-        out[name] = dev[pos:pos + t.numel()]
-        pos += t.numel()
-    # per-token tables stay on the device where the indices already are
-    out["slots"] = torch.cat([it.slots for it in items])
-    if rope is not None:
-        out["old_pos"] = torch.cat([it.old for it in items])
-        out["new_pos"] = torch.cat([it.new for it in items])
-    else:
-        out["old_pos"] = out["new_pos"] = out["slots"]  # unread without rope
-    out["tok_item"] = torch.repeat_interleave(torch.arange(len(items), device=device),
-                                              torch.tensor(counts, dtype=torch.int64).to(device), output_size=total)
+    slots = torch.cat([it.slots for it in items])
+    idx_dev = slots.device
+    cnt = torch.tensor(counts, dtype=torch.int64, device=idx_dev)
+    tok_item = torch.repeat_interleave(torch.arange(len(items), device=idx_dev), cnt, output_size=total)
+    t_in_item = torch.arange(total, device=idx_dev) - torch.tensor(starts[:-1], device=idx_dev)[tok_item]
+    row = layout.num_kv_heads * layout.head_size * itemsize
+    N = layout.block_size
+    blk, pos = slots.div(N, rounding_mode="floor"), slots.remainder(N)
+    old = torch.cat([it.old for it in items]) if rope is not None else slots
+    new = torch.cat([it.new for it in items]) if rope is not None else slots
+    tok = torch.stack((
+        slots,
+        i64(kv_ptrs).to(idx_dev)[tok_item] + t_in_item * row,
+        cnt[tok_item] * row,
+        layout.k_offset + blk * st[1] + pos * st[3],
+        layout.v_offset + blk * vt[1] + pos * vt[3],
+        torch.tensor(item_cache, dtype=torch.int64, device=idx_dev)[tok_item] * L,
+        old, new, tok_item,
+    ))
+    # one transfer: the small tables (host) and the per-token rows (index device) in one buffer
+    packed = torch.cat([torch.cat(list(small.values())).to(idx_dev), tok.reshape(-1)]).to(device)
+    out, p0 = {}, 0
+    for name, t in small.items():
+        out[name] = packed[p0:p0 + t.numel()]
+        p0 += t.numel()
+    tok_dev = packed[p0:].view(9, total)
+    out["tok"] = tok_dev
+    out["slots"], out["old_pos"], out["new_pos"], out["tok_item"] = tok_dev[0], tok_dev[6], tok_dev[7], tok_dev[8]
     out["total"] = total
     # 16-byte vector copies are safe when every base, stride and head run is 16-byte aligned
-    align = [it.kv.data_ptr() for it in items] + layer_base
+    align = kv_ptrs + layer_base
     align += [x * itemsize for x in (st[1], st[2], st[3], vt[1], vt[2], vt[3], layout.k_offset, layout.v_offset)]
     align.append(layout.head_size * itemsize)
     out["vec16"] = st[4] == 1 and vt[4] == 1 and all(a % 16 == 0 for a in align)
@@ -327,58 +369,48 @@ _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: 
 def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -> None:
     import cupy
 
-    from ._jit import get_kernel
+    from ._jit import cupy_stream, get_kernel
 
     dev_id = device.index if device.index is not None else torch.cuda.current_device()
     vec = tables["vec4"]
-    kname = "kmesh_place_vec" if vec else "kmesh_place"
-    names = tuple(f"{k}<{t}>" for k in ("kmesh_place", "kmesh_place_vec") for t in _CUDA_TYPES.values())
-    kernel = get_kernel("place.cu", f"{kname}<{_CUDA_TYPES[layout.storage_dtype]}>", device_id=dev_id,
-                        name_expressions=names)
+    ctype = _CUDA_TYPES[layout.storage_dtype]
+    names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
+        tuple(f"kmesh_place_vec<{t}, {_VEC_PER}>" for t in _CUDA_TYPES.values())
+    kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}>" if vec else f"kmesh_place<{ctype}>"
+    kernel = get_kernel("place.cu", kname, device_id=dev_id, name_expressions=names)
     L, _, H, N, D = layout.sizes
-    rows = 2 * L * tables["total"]
-    if rows == 0:
+    total = tables["total"]
+    if total == 0:
         return
-    if vec:  # one lane per 8 elements of a row; several tokens per 256-thread block; grid.y = (K|V, layer)
-        lanes = min(H * D // 8, 256)
-        rows_per_block = max(1, 256 // lanes)
-        grid = (min((tables["total"] + rows_per_block - 1) // rows_per_block, 65535), 2 * L)
-    else:  # one lane per element pair (or 16-byte vector), a warp at least
-        lanes = 32
-        while lanes < 128 and lanes < H * (D // 2):
-            lanes *= 2
-        rows_per_block = max(1, 256 // lanes)
-        grid = (min((rows + rows_per_block - 1) // rows_per_block, 132 * 16),)
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
 
     def p(t):
         return t.data_ptr()
 
-    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
+    stream = cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
+    common = (cupy.int32(int(gather)), cupy.int32(int(rope is not None)), cupy.int32(neox), cupy.int32(rd))
+    tail = (p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]))
     with cupy.cuda.Device(dev_id), stream:
+        if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.y = (K|V, layer)
+            chunks = H * D // 8
+            lanes = min(-(-chunks // _VEC_PER), 256)
+            rows_per_block = max(1, 256 // lanes)
+            grid = (min(-(-total // rows_per_block), 65535), 2 * L)
+            kernel(grid, (lanes, rows_per_block), (
+                p(tables["tok"]), p(tables["layer_base"]), cupy.int64(L), cupy.int64(H), cupy.int64(D),
+                cupy.int64(total), cupy.int64(layout.k_strides[2]), cupy.int64(layout.v_strides[2])) + common + tail)
+            return
+        lanes = 32  # one lane per element pair (or 16-byte vector), a warp at least
+        while lanes < 128 and lanes < H * (D // 2):
+            lanes *= 2
+        rows_per_block = max(1, 256 // lanes)
+        grid = (min(-(-(2 * L * total) // rows_per_block), 132 * 16),)
         kernel(grid, (lanes, rows_per_block), (
             p(tables["kv_ptrs"]), p(tables["item_tok_start"]), p(tables["tok_item"]), p(tables["slots"]),
             p(tables["old_pos"]), p(tables["new_pos"]), p(tables["layer_base"]), p(tables["item_cache"]),
             p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N),
-            cupy.int64(tables["total"]), cupy.int32(int(gather)), cupy.int32(int(rope is not None)),
-            cupy.int32(neox), cupy.int32(rd)) + (
-            (cupy.int32(N.bit_length() - 1 if N & (N - 1) == 0 else -1),) if vec
-            else (cupy.int32(int(tables["vec16"])),)) + (
-            p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]),
-        ))
-
-
-@functools.lru_cache(maxsize=64)
-def _cupy_stream(handle: int, dev_id: int):
-    """CuPy's view of torch's current stream (cached: creating one per launch costs microseconds)."""
-    import warnings
-
-    import cupy
-
-    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but is the raw-handle form
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(handle, dev_id)
+            cupy.int64(total)) + common + (cupy.int32(int(tables["vec16"])),) + tail)
 
 
 class _Launch:

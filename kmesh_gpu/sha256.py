@@ -300,22 +300,22 @@ class _CupyLauncher:
     def __init__(self, device: torch.device):
         import cupy
 
+        from ._jit import cupy_stream
+
         self.cupy = cupy
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.stream_ptr = torch.cuda.current_stream(self.index).cuda_stream
+        handle = torch.cuda.current_stream(self.index).cuda_stream
+        self.stream = cupy_stream(handle, self.index) if handle else cupy.cuda.Stream.null
 
     def __call__(self, kernel_name: str, n_threads: int, args: tuple) -> None:
         if n_threads <= 0:
             return
         from ._jit import get_kernel
 
-        cupy = self.cupy
         kernel = get_kernel("sha256.cu", kernel_name, device_id=self.index)
         grid = (n_threads + _THREADS - 1) // _THREADS
-        with cupy.cuda.Device(self.index):
-            stream = cupy.cuda.ExternalStream(self.stream_ptr) if self.stream_ptr else cupy.cuda.Stream.null
-            with stream:
-                kernel((grid,), (_THREADS,), args)
+        with self.cupy.cuda.Device(self.index), self.stream:
+            kernel((grid,), (_THREADS,), args)
 
 
 def _ptr(t: torch.Tensor, byte_offset: int = 0) -> np.uint64:

@@ -110,94 +110,95 @@ template <> struct Vec4<__half> { typedef uint2 type; };
 template <> struct Vec4<__nv_bfloat16> { typedef uint2 type; };
 template <> struct Vec4<unsigned char> { typedef unsigned int type; };
 
-template <typename T>
+// Per-token table rows (int64, each T_total long) read by kmesh_place_vec.
+enum TokRow { TOK_SLOT = 0, TOK_SRC, TOK_SRC_STEP, TOK_DST_K, TOK_DST_V, TOK_CACHE, TOK_OLD, TOK_NEW, TOK_ROWS };
+
+template <typename T, int PER>
 __global__ void kmesh_place_vec(
-    const unsigned long long* __restrict__ kv_ptrs, const long long* __restrict__ item_tok_start,
-    const long long* __restrict__ tok_item, const long long* __restrict__ slots,
-    const long long* __restrict__ old_pos, const long long* __restrict__ new_pos,
-    const unsigned long long* __restrict__ layer_base, const long long* __restrict__ item_cache,
-    const long long* __restrict__ k_st, const long long* __restrict__ v_st,
-    long long L, long long H, long long D, long long N, long long T_total,
-    int gather, int rope, int neox, int rd, int n_shift,
+    const long long* __restrict__ tok,                   // [TOK_ROWS, T_total] (see TokRow)
+    const unsigned long long* __restrict__ layer_base,   // [n_caches * L] byte address of layer l of cache c
+    long long L, long long H, long long D, long long T_total, long long head_k, long long head_v,
+    int gather, int rope, int neox, int rd,
     const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
 {
-    // grid.y = kvsel * L + l (no division per row); grid.x strides over tokens, threadIdx.y picks one.
+    // grid.y = kvsel * L + l; threadIdx.y picks a token; each lane moves PER chunks of 8 elements,
+    // issuing all loads before any store so that several memory requests are in flight per thread.
     typedef typename Vec4<T>::type V4;
-    const int lk = blockIdx.y;
-    const int Li = (int)L;
+    const int lk = blockIdx.y, Li = (int)L;
     const int kvsel = lk >= Li ? 1 : 0;
     const int l = lk - kvsel * Li;
-    const int Di = (int)D, lanes_per_head = Di >> 3, lanes_per_row = (int)H * lanes_per_head;
-    const long long* s = kvsel ? v_st : k_st;
-    const long long s_block = s[0], s_head = s[1], s_tok = s[2], s_off = s[4];
+    const int Di = (int)D, chunks_per_head = Di >> 3, chunks = (int)H * chunks_per_head;
+    const long long s_head = kvsel ? head_v : head_k;
     const bool rotate = rope && !gather && kvsel == 0;
+    const int half = rd >> 1, rot_chunks = rd >> 3;
     const float scale = k_scale[l];
-    const int half = rd >> 1;
+    const long long* slot_row = tok + TOK_SLOT * T_total;
     for (long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y; g < T_total;
          g += (long long)gridDim.x * blockDim.y) {
-        const long long slot = slots[g];
-        if (slot < 0) continue;
-        const long long item = tok_item[g];
-        const long long t0 = item_tok_start[item];
-        const long long T_i = item_tok_start[item + 1] - t0;
-        T* src = reinterpret_cast<T*>(kv_ptrs[item]) + (((long long)lk * T_i + (g - t0)) * H) * D;
-        const long long blk = n_shift >= 0 ? (slot >> n_shift) : slot / N;
-        const long long pos = slot - blk * N;
-        T* dst = reinterpret_cast<T*>(layer_base[item_cache[item] * L + l]) + s_off + blk * s_block + pos * s_tok;
-        const float* cs_old = rotate ? cos_sin + old_pos[g] * rd : cos_sin;
-        const float* cs_new = rotate ? cos_sin + new_pos[g] * rd : cos_sin;
-        for (int p = threadIdx.x; p < lanes_per_row; p += blockDim.x) {
-            const int h = p / lanes_per_head, c = p - h * lanes_per_head;
-            T* a = src + h * Di;
-            T* b = dst + h * s_head;
-            if (!(rotate && c < (rd >> 3))) {  // plain copy of elements [8c, 8c+8)
-                V4* va = reinterpret_cast<V4*>(a + 8 * c);
-                V4* vb = reinterpret_cast<V4*>(b + 8 * c);
-                if (gather) { const V4 x = vb[0], y = vb[1]; va[0] = x; va[1] = y; }
-                else { const V4 x = va[0], y = va[1]; vb[0] = x; vb[1] = y; }
-                continue;
-            }
-            const int e0 = neox ? 4 * c : 8 * c;
-            const int e1 = neox ? 4 * c + half : 8 * c + 4;
-            V4 in0 = *reinterpret_cast<const V4*>(a + e0);
-            V4 in1 = *reinterpret_cast<const V4*>(a + e1);
-            // cos/sin of pair indices 4c..4c+3 at both positions: four 16-byte loads
-            const float4 cp = *reinterpret_cast<const float4*>(cs_old + 4 * c);
-            const float4 sp = *reinterpret_cast<const float4*>(cs_old + half + 4 * c);
-            const float4 cq = *reinterpret_cast<const float4*>(cs_new + 4 * c);
-            const float4 sq = *reinterpret_cast<const float4*>(cs_new + half + 4 * c);
-            const float cpa[4] = {cp.x, cp.y, cp.z, cp.w}, spa[4] = {sp.x, sp.y, sp.z, sp.w};
-            const float cqa[4] = {cq.x, cq.y, cq.z, cq.w}, sqa[4] = {sq.x, sq.y, sq.z, sq.w};
-            const T* x0 = reinterpret_cast<const T*>(&in0);
-            const T* x1 = reinterpret_cast<const T*>(&in1);
-            T ev[4], od[4];
+        if (slot_row[g] < 0) continue;
+        T* src = reinterpret_cast<T*>(tok[TOK_SRC * T_total + g] + lk * tok[TOK_SRC_STEP * T_total + g]);
+        T* dst = reinterpret_cast<T*>(layer_base[tok[TOK_CACHE * T_total + g] + l])
+                 + tok[(kvsel ? TOK_DST_V : TOK_DST_K) * T_total + g];
+        const float* cs_old = rotate ? cos_sin + tok[TOK_OLD * T_total + g] * rd : cos_sin;
+        const float* cs_new = rotate ? cos_sin + tok[TOK_NEW * T_total + g] * rd : cos_sin;
+        for (int base = 0; base < chunks; base += PER * blockDim.x) {
+            V4 in0[PER], in1[PER];
+            int e0[PER], e1[PER], hs[PER];
+            bool rot[PER], live[PER];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                // neox: pair k = (x0[k], x1[k]); GPT-J: pair k = elements (2k, 2k+1) of x0|x1
-                ev[k] = neox ? x0[k] : (k < 2 ? x0[2 * k] : x1[2 * (k - 2)]);
-                od[k] = neox ? x1[k] : (k < 2 ? x0[2 * k + 1] : x1[2 * (k - 2) + 1]);
+            for (int k = 0; k < PER; ++k) {  // load phase
+                const int c = base + threadIdx.x + k * blockDim.x;
+                live[k] = c < chunks;
+                const int h = live[k] ? c / chunks_per_head : 0;
+                const int cc = live[k] ? c - h * chunks_per_head : 0;
+                rot[k] = rotate && cc < rot_chunks;
+                e0[k] = (rot[k] && neox) ? 4 * cc : 8 * cc;
+                e1[k] = (rot[k] && neox) ? 4 * cc + half : 8 * cc + 4;
+                hs[k] = h;
+                if (live[k]) {
+                    const T* from = gather ? dst + h * s_head : src + h * Di;
+                    in0[k] = *reinterpret_cast<const V4*>(from + e0[k]);
+                    in1[k] = *reinterpret_cast<const V4*>(from + e1[k]);
+                }
             }
-            T ye[4], yo[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float u = Elem<T>::load(ev + k, fp8_table, scale);
-                const float v = Elem<T>::load(od + k, fp8_table, scale);
-                const float u0 = __fadd_rn(__fmul_rn(u, cpa[k]), __fmul_rn(v, spa[k]));
-                const float u1 = __fsub_rn(__fmul_rn(v, cpa[k]), __fmul_rn(u, spa[k]));
-                Elem<T>::store(ye + k, __fsub_rn(__fmul_rn(u0, cqa[k]), __fmul_rn(u1, sqa[k])), scale);
-                Elem<T>::store(yo + k, __fadd_rn(__fmul_rn(u1, cqa[k]), __fmul_rn(u0, sqa[k])), scale);
-            }
-            V4 out0, out1;
-            T* y0 = reinterpret_cast<T*>(&out0);
-            T* y1 = reinterpret_cast<T*>(&out1);
+            for (int k = 0; k < PER; ++k) {  // compute + store phase
+                if (!live[k]) continue;
+                T* to = gather ? src + hs[k] * Di : dst + hs[k] * s_head;
+                if (!rot[k]) {
+                    *reinterpret_cast<V4*>(to + e0[k]) = in0[k];
+                    *reinterpret_cast<V4*>(to + e1[k]) = in1[k];
+                    continue;
+                }
+                const int i0 = neox ? e0[k] : e0[k] >> 1;  // first pair index of this chunk
+                const float4 cp = *reinterpret_cast<const float4*>(cs_old + i0);
+                const float4 sp = *reinterpret_cast<const float4*>(cs_old + half + i0);
+                const float4 cq = *reinterpret_cast<const float4*>(cs_new + i0);
+                const float4 sq = *reinterpret_cast<const float4*>(cs_new + half + i0);
+                const float cpa[4] = {cp.x, cp.y, cp.z, cp.w}, spa[4] = {sp.x, sp.y, sp.z, sp.w};
+                const float cqa[4] = {cq.x, cq.y, cq.z, cq.w}, sqa[4] = {sq.x, sq.y, sq.z, sq.w};
+                const T* x0 = reinterpret_cast<const T*>(&in0[k]);
+                const T* x1 = reinterpret_cast<const T*>(&in1[k]);
+                V4 out0, out1;
+                T* y0 = reinterpret_cast<T*>(&out0);
+                T* y1 = reinterpret_cast<T*>(&out1);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if (neox) { y0[k] = ye[k]; y1[k] = yo[k]; }
-                else if (k < 2) { y0[2 * k] = ye[k]; y0[2 * k + 1] = yo[k]; }
-                else { y1[2 * (k - 2)] = ye[k]; y1[2 * (k - 2) + 1] = yo[k]; }
+                for (int q = 0; q < 4; ++q) {
+                    // neox: pair q = (x0[q], x1[q]); GPT-J: pair q = elements (2q, 2q+1) of x0|x1
+                    const T* pe = neox ? x0 + q : (q < 2 ? x0 + 2 * q : x1 + 2 * (q - 2));
+                    const T* po = neox ? x1 + q : pe + 1;
+                    const float u = Elem<T>::load(pe, fp8_table, scale);
+                    const float v = Elem<T>::load(po, fp8_table, scale);
+                    const float u0 = __fadd_rn(__fmul_rn(u, cpa[q]), __fmul_rn(v, spa[q]));
+                    const float u1 = __fsub_rn(__fmul_rn(v, cpa[q]), __fmul_rn(u, spa[q]));
+                    T* oe = neox ? y0 + q : (q < 2 ? y0 + 2 * q : y1 + 2 * (q - 2));
+                    T* oo = neox ? y1 + q : oe + 1;
+                    Elem<T>::store(oe, __fsub_rn(__fmul_rn(u0, cqa[q]), __fmul_rn(u1, sqa[q])), scale);
+                    Elem<T>::store(oo, __fadd_rn(__fmul_rn(u1, cqa[q]), __fmul_rn(u0, sqa[q])), scale);
+                }
+                *reinterpret_cast<V4*>(to + e0[k]) = out0;
+                *reinterpret_cast<V4*>(to + e1[k]) = out1;
             }
-            *reinterpret_cast<V4*>(b + e0) = out0;
-            *reinterpret_cast<V4*>(b + e1) = out1;
         }
     }
 }
