@@ -120,9 +120,10 @@ class KVLayout:
         """vLLM's named layouts over the logical ``[L, B, H, N, C]`` cache.
 
         ``kv_packing="content"``: ``C = 2*D``, K in the first D elements, V in the next D (GPU
-        attention backends). ``kv_packing="planes"``: vLLM's CPU backend — a K/V axis of size 2 sits
-        immediately before the N axis in memory order, so within each (block, head) there is a K
-        plane ``[N, D]`` followed by a V plane ``[N, D]`` (for LBHNC).
+        attention backends). ``kv_packing="planes"``: vLLM's CPU backend (``vec``/``vec16`` ISAs) —
+        a K/V axis of size 2 sits immediately before the N axis in memory order, so within each
+        (block, head) there is a K plane stored transposed, ``[D, N]`` (tokens contiguous), followed
+        by a V plane ``[N, D]`` (for LBHNC). The CPU ``amx`` ISA tiles its planes and is not affine.
         """
         key = VLLM_ALIASES.get(name, name)
         if key not in VLLM_LAYOUTS:
@@ -145,9 +146,13 @@ class KVLayout:
             sz = dict(logical, **{"2": 2, "D": D})
             shape = [sz[a] for a in axes]
             strides = dict(zip(axes, _contiguous_strides(shape)))
-            st = tuple(strides[a] for a in "LBHN") + (1,)
-            return cls.from_strides((L, B, H, N, D), st, st, 0, strides["2"], dtype=dtype, physical_shape=shape,
-                                    name=f"{key}/planes")
+            v_st = tuple(strides[a] for a in "LBHN") + (1,)
+            # cpu_attn_reshape_and_cache writes K with N and D swapped (the kernel reads keys token-wise).
+            k_axes = [{"N": "D", "D": "N"}.get(a, a) for a in axes]
+            k_strides = dict(zip(k_axes, _contiguous_strides([sz[a] for a in k_axes])))
+            k_st = tuple(k_strides[a] for a in "LBHND")
+            return cls.from_strides((L, B, H, N, D), k_st, v_st, 0, strides["2"], dtype=dtype,
+                                    physical_shape=shape, name=f"{key}/planes")
         raise LayoutError(f"kv_packing: expected 'content' or 'planes', got {kv_packing!r}")
 
     @classmethod

@@ -46,10 +46,13 @@ def build(case: Case, *, L, B, H, N, D, dtype):
         axes = [a for a in case.name[:-1]]
         axes.insert(axes.index("N"), "2")
         axes.append("D")
+        k_axes = [{"N": "D", "D": "N"}.get(a, a) for a in axes]  # vLLM's CPU backend stores K as [D, N]
+        sizes = {"L": L, "B": B, "H": H, "N": N, "D": D, "2": 2}
 
         def views(t):
             lg = t.permute([axes.index(a) for a in "2LBHND"])
-            return lg[0], lg[1]
+            kg = t.reshape([sizes[a] for a in k_axes]).permute([k_axes.index(a) for a in "2LBHND"])
+            return kg[0], lg[1]
     elif case.kind == "legacy":
         kv_axis, order = case.name.split("/")
         layout = KVLayout.from_vllm_legacy(kv_axis, order, num_layers=L, num_blocks=B, block_size=N,

@@ -43,9 +43,9 @@ def test_aliases_and_planes():
     assert KVLayout.from_vllm("NHD", **kw).k_strides == KVLayout.from_vllm("LBNHC", **kw).k_strides
     assert KVLayout.from_vllm("HND", **kw).k_strides == KVLayout.from_vllm("LBHNC", **kw).k_strides
     planes = KVLayout.from_vllm("LBHNC", kv_packing="planes", **kw)
-    # within each (block, head): K plane [N, D] then V plane [N, D]
+    # within each (block, head): K plane [D, N] (vLLM's CPU backend stores keys transposed), V plane [N, D]
     assert planes.physical_shape == (2, 3, 2, 2, 4, 8)
-    assert planes.v_offset == 4 * 8 and planes.k_strides[3] == 8
+    assert planes.v_offset == 4 * 8 and planes.k_strides[3:] == (1, 4) and planes.v_strides[3:] == (8, 1)
 
 
 def test_legacy_shapes():
