@@ -55,7 +55,8 @@ class HostBuffer:
         self.address = ctypes.addressof(anchor)
         del anchor
         self.pinned = False
-        self._fence = None
+        self._fences: list = []
+        self._fence_lock = threading.Lock()
         if pin:
             rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
             code = int(rc)
@@ -67,14 +68,23 @@ class HostBuffer:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def set_fence(self, event) -> None:
-        """Record that an async copy reading this buffer completes when ``event`` does."""
-        self._fence = event
+        """Record that an async copy reading this buffer completes when ``event`` does.
+
+        Several children may copy from one retained buffer on different streams, so every fence
+        is kept (those already complete are dropped) and :meth:`wait` waits for all of them.
+        """
+        if event is None:
+            return
+        with self._fence_lock:
+            self._fences = [e for e in self._fences if not e.query()]
+            self._fences.append(event)
 
     def wait(self) -> None:
         """Block until no recorded async copy still reads this buffer."""
-        if self._fence is not None:
-            self._fence.synchronize()
-            self._fence = None
+        with self._fence_lock:
+            fences, self._fences = self._fences, []
+        for event in fences:
+            event.synchronize()
 
     def close(self) -> None:
         if self._map is None:

@@ -1,8 +1,14 @@
 """Storage routes into GPU memory: ``host_staging`` and ``direct``, each ending verified and placed.
 
 ``host_staging``: segment file --O_DIRECT reads on a thread pool--> pinned host buffer (the host
-tier's) --async H2D on the current CUDA stream, chunk by chunk as reads land--> device buffer.
-With the tier's retention a resident segment skips the read and is copied from RAM.
+tier's, pooled: released buffers are reused, never pinned again) --async H2D on a copy stream,
+chunk by chunk as the reads land--> device buffer. When an object's last chunk is copied, its
+tree digest is launched on a work stream that waits for the copy's event (a device-side wait, not
+a host one), while the reads of later objects continue. With the tier's retention a resident
+segment skips the read and is copied from RAM in one H2D per object; it was verified when it
+entered the tier (the tier's host check, or an earlier restore's device check of a copy of that
+very buffer), so by default it is not hashed again (``trust_verified=False`` re-verifies it on
+the device).
 
 ``direct``: segment file --KvikIO/cuFile--> device buffer. With GPUDirect Storage the storage DMA
 writes GPU memory; in KvikIO's (or cuFile's) compatibility mode the bytes go through a host bounce
@@ -10,18 +16,27 @@ buffer. The report labels the mechanism from positive evidence only: a run is ca
 KvikIO is not in compatibility mode and the cuFile driver reports GDS available; anything else is
 reported as a bounce-buffer copy, never as direct.
 
-Both routes then verify every object where it landed: the kmesh-tree-sha256/v1 root of its padded
-payload is computed on the device (``kmesh_gpu.tree_digests``, one launch per object as soon as
-its bytes are in place, so hashing overlaps the reads of the next object) and compared with the
-root stored in the file, and only then place the KV into the paged cache (``kmesh_gpu.place``,
-shifting K to new positions when a RoPE spec is given). A mismatch raises IntegrityError naming
-the segments and nothing is placed.
+Both routes verify every object that is not already verified where it landed: the
+kmesh-tree-sha256/v1 root of its padded payload is computed on the device
+(``kmesh_gpu.tree_digests``, one launch per object as soon as its bytes are in place) and all roots
+are compared with the stored ones once, after the last object (one host-device synchronisation,
+one flag per object comes back); only then is the KV placed into the paged cache with one
+``kmesh_gpu.place_many`` launch (K shifted to new positions when a RoPE spec is given). A mismatch
+raises IntegrityError naming every bad segment, nothing is placed, and the bad segment leaves the
+host tier.
 
-Every kernel and copy is issued on the caller's current CUDA stream.
+Placement is prepared (``prepare_place_many``: slot and position validation, launch tables) while
+the bytes are still moving: it needs the objects' device addresses, not their bytes.
+
+Streams: copies run on a copy stream; digests, the root comparison and placement on a work
+stream. Both start after the caller's current stream's earlier work, and before the call returns
+(also on failure) the caller's current stream waits for both, so later work on it sees the placed
+cache and buffers it frees are no longer in use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
 import time
@@ -32,6 +47,7 @@ import torch
 
 import kmesh_gpu
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
+from kmesh_gpu.place import prepare_place_many
 
 from .direct_io import ALIGN, IO_ENGINE, IO_ENGINE_NOTE, round_up
 from .segment import ModelFingerprint, Segment, SegmentHeader, check_fingerprint, check_payload
@@ -65,8 +81,11 @@ class RouteReport:
     """What a restore did and which mechanism moved the bytes.
 
     ``timings`` holds nested wall intervals in seconds (never add them): ``read_s`` (first read
-    submitted to last read complete) and ``verify_s`` (first digest launched to the roots checked)
-    both lie inside ``restore_s`` (call start to data verified, placed and the stream synchronised).
+    submitted to last read complete), ``verify_s`` (first digest launched to the roots checked) and
+    ``prepare_s`` (placement preparation, overlapped with the reads and copies) all lie inside
+    ``restore_s`` (call start to data verified, placed and the caller's stream synchronised).
+    ``verified`` counts objects per check: checked by this call, or trusted because the host tier
+    verified them when they entered it.
     """
 
     route: str
@@ -81,6 +100,7 @@ class RouteReport:
     pinned: bool | None = None
     direct_dma: bool = False
     verification: str = ""
+    verified: dict = field(default_factory=dict)
     placed: bool = False
     timings: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -114,14 +134,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _event(device: torch.device):
-    if device.type != "cuda":
-        return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    return ev
-
-
 def _layout_offsets(headers: list[SegmentHeader]) -> tuple[list[int], int]:
     offsets, total = [], 0
     for h in headers:
@@ -130,94 +142,211 @@ def _layout_offsets(headers: list[SegmentHeader]) -> tuple[list[int], int]:
     return offsets, max(total, ALIGN)
 
 
-class _Verifier:
-    """Device tree-root verification, launched per object as its bytes land, checked once."""
+class _Streams:
+    """Where one restore's device work runs (see the module docstring).
 
-    def __init__(self, mode: str, buffer: torch.Tensor, backend: str):
-        if mode not in VERIFY_MODES:
-            raise ValueError(f"verify: expected one of {VERIFY_MODES}, got {mode!r}")
-        self.mode, self.buffer, self.backend = mode, buffer, backend
-        self.started: float | None = None
-        self._pending: list[tuple[int, SegmentHeader, torch.Tensor | None]] = []
+    ``copy`` takes the H2D copies, ``work`` the digests, the root comparison and placement. Both
+    first wait for the caller's current stream; :meth:`join` makes the caller's stream wait for
+    both. On the CPU there are no streams: every step runs inline, in the order it is issued.
+    """
 
-    def _mark(self):
-        if self.started is None:
-            self.started = time.perf_counter()
+    def __init__(self, device: torch.device):
+        self.caller = self.copy = self.work = None
+        if device.type == "cuda":
+            self.caller = torch.cuda.current_stream(device)
+            # From torch's per-device stream pool: nothing is created per call.
+            self.copy = torch.cuda.Stream(device=device)
+            self.work = torch.cuda.Stream(device=device)
+            self.copy.wait_stream(self.caller)
+            self.work.wait_stream(self.caller)
 
-    def landed(self, offset: int, header: SegmentHeader, host_payload=None) -> None:
-        """Object bytes are in ``buffer[offset:]`` (on the current stream); start checking them."""
-        if self.mode == "device":
-            self._mark()
-            # Host lists: the index is uploaded without a device sync; launches follow the copies
-            # on the current stream.
-            roots = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
-                                           leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
-                                           backend=self.backend)
-            self._pending.append((offset, header, roots))
-        elif self.mode == "host" and host_payload is not None:
-            self._mark()
-            check_payload(header, host_payload, sha=False, tree=True)
-        else:
-            self._pending.append((offset, header, None))
+    def on_copy(self):
+        return torch.cuda.stream(self.copy) if self.copy is not None else contextlib.nullcontext()
 
-    def finish(self) -> float:
-        """Raise IntegrityError naming every segment whose root does not match; returns seconds spent."""
-        if self.mode == "none" or (self.mode == "host" and not self._pending):
-            return 0.0 if self.started is None else time.perf_counter() - self.started
-        headers = [h for _, h, _ in self._pending]
-        expected = torch.from_numpy(np.frombuffer(b"".join(h.tree_root for h in headers), dtype=np.uint8)
-                                    .copy()).view(len(headers), 32)
-        if self.mode == "host":
-            # Objects that only exist on the device (direct route): download and hash on the host.
-            self._mark()
-            for offset, h, _ in self._pending:
-                host = self.buffer[offset: offset + h.padded_length].cpu().numpy()
-                check_payload(h, host, sha=False, tree=True)
-            return time.perf_counter() - self.started
-        if self.mode == "device-batched":
-            self._mark()
-            offs = [o for o, _, _ in self._pending]
-            lens = [h.padded_length for h in headers]
-            params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}
-            if len(params) != 1:
-                raise IntegrityError(f"segments {[h.key for h in headers]}: mixed tree parameters {params}; "
-                                     "use verify='device'")
-            leaf, fanout = params.pop()
-            try:
-                kmesh_gpu.verify_tree_roots(self.buffer, offs, lens, expected, names=[h.key for h in headers],
-                                            leaf_size=leaf, fanout=fanout, backend=self.backend)
-            except IntegrityError as exc:
-                raise IntegrityError(f"segment(s) {', '.join(h.key for h in headers)}: {exc}; nothing was "
-                                     "placed") from exc
-            return time.perf_counter() - self.started
-        roots = torch.cat([r.reshape(-1, 32) for _, _, r in self._pending])
-        bad = (roots.to(torch.uint8) != expected.to(roots.device)).any(dim=1).cpu().tolist()
-        elapsed = time.perf_counter() - self.started
-        if any(bad):
-            names = [h.key for h, b in zip(headers, bad) if b]
-            raise IntegrityError(f"segment(s) {', '.join(names)}: kmesh-tree-sha256 root mismatch where the "
-                                 "data landed (corrupt read or storage); nothing was placed")
-        return elapsed
+    def on_work(self):
+        return torch.cuda.stream(self.work) if self.work is not None else contextlib.nullcontext()
+
+    def copied(self):
+        """An event completing after every copy issued so far (``None`` on the CPU)."""
+        if self.copy is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.copy)
+        return event
+
+    def work_after(self, event) -> None:
+        """Work issued from now on runs after ``event`` (a device-side wait; the host goes on)."""
+        if event is not None:
+            self.work.wait_event(event)
+
+    def join(self) -> None:
+        if self.caller is not None:
+            self.caller.wait_stream(self.copy)
+            self.caller.wait_stream(self.work)
 
 
-def _place(result: RestoreResult, targets: list[RestoreTarget], *, cache, layout, rope, k_scale,
-           backend: str) -> None:
-    """All segments in one ``kmesh_gpu.place_many`` launch (K shifted when ``rope`` is given)."""
-    device = result.buffer.device
-    for target, header in zip(targets, result.headers):
+def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
+    """``host`` on ``device``: on CUDA from pinned memory, asynchronously, on the work stream."""
+    if device.type != "cuda":
+        return host
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    with streams.on_work():
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        # The caching host allocator keeps `pinned` until this copy has run.
+        out.copy_(pinned, non_blocking=True)
+    return out
+
+
+def _check_placement(targets: list, headers: list[SegmentHeader], rope) -> None:
+    for target, header in zip(targets, headers):
         if target.slots is None:
             raise LayoutError(f"targets[{target.key}].slots: expected int64[T={header.num_tokens}] to place "
                               "into the cache, got None")
         if rope is not None and target.new_positions is None:
             raise LayoutError(f"targets[{target.key}].new_positions: expected int64[T={header.num_tokens}] "
                               "with a RoPE spec, got None")
-    slots = [t.slots for t in targets]
-    if rope is None:
-        kmesh_gpu.place_many(result.kv, cache, layout, slots, k_scale=k_scale, backend=backend)
-        return
-    old = [torch.from_numpy(h.positions.astype(np.int64)).to(device, non_blocking=True) for h in result.headers]
-    kmesh_gpu.place_many(result.kv, cache, layout, slots, rope=rope, old_positions=old,
-                         new_positions=[t.new_positions for t in targets], k_scale=k_scale, backend=backend)
+
+
+class _Placement:
+    """One ``place_many`` launch for all objects, prepared while their bytes are still moving.
+
+    Preparation (validation of slots and positions, launch tables) needs the objects' device
+    addresses, not their bytes. It runs on the work stream and reads one validation flag back from
+    it, so it must come before any digest is queued there; :meth:`run` then only launches.
+    """
+
+    def __init__(self, kvs, targets, headers, *, cache, layout, rope, k_scale, backend, streams: _Streams):
+        self.streams = streams
+        slots = [t.slots for t in targets]
+        old = new = None
+        if rope is not None:
+            new = [t.new_positions for t in targets]
+            # Stored positions go where the slots live (kmesh_gpu validates indices there).
+            where = slots[0].device if isinstance(slots[0], torch.Tensor) else torch.device("cpu")
+            flat = torch.from_numpy(np.concatenate([h.positions for h in headers]).astype(np.int64))
+            old = list(torch.split(_pinned_upload(flat, where, streams), [h.num_tokens for h in headers]))
+        with streams.on_work():
+            self.launch = prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=old,
+                                             new_positions=new, k_scale=k_scale, backend=backend)
+
+    def run(self) -> None:
+        with self.streams.on_work():
+            self.launch.run()
+
+
+class _Verifier:
+    """Tree-root checks of objects where they landed: launched per object, compared once.
+
+    ``landed(...)`` is called once per object as its bytes arrive (in any order); objects whose
+    tier entry is already verified are trusted when ``trust_verified``. :meth:`finish` compares
+    every root with one synchronisation and returns the keys that failed.
+    """
+
+    _HOW = {"device": "device kmesh-tree-sha256 root", "device-batched": "device kmesh-tree-sha256 root",
+            "host": "host kmesh-tree-sha256 root"}
+
+    def __init__(self, mode: str, buffer: torch.Tensor, backend: str, streams: _Streams, *, trust_verified: bool):
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"verify: expected one of {VERIFY_MODES}, got {mode!r}")
+        self.mode, self.buffer, self.backend, self.streams = mode, buffer, backend, streams
+        self.trust = trust_verified
+        self.started: float | None = None
+        self.counts: dict[str, int] = {}
+        self._checked: list[tuple[int, SegmentHeader, object]] = []  # (offset, header, lease or None)
+        self._roots: list[torch.Tensor] = []
+        self._host_bad: list[str] = []
+
+    def _mark(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def landed(self, offset: int, header: SegmentHeader, *, lease=None) -> None:
+        """Object bytes are in ``buffer[offset:]`` for work issued on the work stream from now on."""
+        if lease is not None and self.trust and lease.verified:
+            self._count(f"trusted: {lease.verified}")
+            return
+        if self.mode == "none":
+            self._count("not verified")
+            return
+        self._count(f"{self._HOW[self.mode]} (this call)")
+        self._checked.append((offset, header, lease))
+        if self.mode == "device":
+            self._mark()
+            with self.streams.on_work():
+                self._roots.append(kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
+                                                          leaf_size=header.tree_leaf_size,
+                                                          fanout=header.tree_fanout, backend=self.backend))
+        elif self.mode == "host" and lease is not None:
+            self._mark()
+            if not _host_root_ok(header, lease.payload.numpy()):
+                self._host_bad.append(header.key)
+
+    def finish(self) -> tuple[float, list[str]]:
+        """``(seconds since the first check started, keys whose root does not match)``."""
+        if not self._checked:
+            return 0.0, []
+        self._mark()
+        headers = [h for _, h, _ in self._checked]
+        if self.mode == "host":
+            bad = list(self._host_bad)
+            for offset, h, lease in self._checked:
+                if lease is None:  # objects that only exist on the device (direct route): download
+                    with self.streams.on_work():
+                        host = self.buffer[offset: offset + h.padded_length].cpu().numpy()
+                    if not _host_root_ok(h, host):
+                        bad.append(h.key)
+            return time.perf_counter() - self.started, bad
+        with self.streams.on_work():
+            if self.mode == "device-batched":
+                params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}
+                if len(params) != 1:
+                    raise IntegrityError(f"segments {[h.key for h in headers]}: mixed tree parameters {params}; "
+                                         "use verify='device'")
+                leaf, fanout = params.pop()
+                roots = kmesh_gpu.tree_digests(self.buffer, [o for o, _, _ in self._checked],
+                                               [h.padded_length for h in headers], leaf_size=leaf, fanout=fanout,
+                                               backend=self.backend)
+            else:
+                roots = torch.cat([r.reshape(-1, 32) for r in self._roots])
+            expected = torch.frombuffer(bytearray(b"".join(h.tree_root for h in headers)),
+                                        dtype=torch.uint8).view(len(headers), 32)
+            expected = _pinned_upload(expected, roots.device, self.streams)
+            # The one synchronisation: a flag per object comes back.
+            flags = (roots.to(torch.uint8) != expected).any(dim=1).cpu().tolist()
+        return time.perf_counter() - self.started, [h.key for h, b in zip(headers, flags) if b]
+
+    def mark_verified(self, route: str) -> None:
+        """After a successful :meth:`finish`: tier entries checked here are trusted from now on."""
+        if self.mode == "none":
+            return
+        how = f"{self._HOW[self.mode]} of a copy of this buffer (route {route})" if self.mode != "host" else \
+            f"{self._HOW[self.mode]} (route {route})"
+        for _, _, lease in self._checked:
+            if lease is not None:
+                lease.mark_verified(how)
+
+    @property
+    def description(self) -> str:
+        return {"device": "device tree-root (per object as it lands, compared once)",
+                "device-batched": "device tree-root (one batched launch)", "host": "host tree-root",
+                "none": "none"}[self.mode]
+
+
+def _host_root_ok(header: SegmentHeader, payload) -> bool:
+    try:
+        check_payload(header, payload, sha=False, tree=True)
+    except IntegrityError:
+        return False
+    return True
+
+
+def _integrity_failure(bad: list[str]) -> IntegrityError:
+    return IntegrityError(f"segment(s) {', '.join(bad)}: kmesh-tree-sha256 root mismatch where the data landed "
+                          "(corrupt read or storage); nothing was placed")
 
 
 def _check_targets(targets) -> list[RestoreTarget]:
@@ -233,7 +362,7 @@ def _check_targets(targets) -> list[RestoreTarget]:
 # ----------------------------------------------------------------------------------- host staging
 def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: ModelFingerprint, device="cuda",
                          tier: HostTier | None = None, cache=None, layout=None, rope=None, k_scale=None,
-                         verify: str = "device", backend: str = "auto",
+                         verify: str = "device", trust_verified: bool = True, backend: str = "auto",
                          hash_backend: str = "auto") -> RestoreResult:
     """Restore ``targets`` through pinned host RAM (see the module docstring).
 
@@ -246,54 +375,89 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             its configuration); ``None`` makes a private tier for this call (slow: it pins afresh).
         cache, layout: the paged KV cache and its :class:`kmesh_gpu.KVLayout`; ``None`` skips placement.
         rope: a :class:`kmesh_gpu.RopeSpec` to shift K to ``new_positions``; ``k_scale``: fp8 K scale.
-        verify: ``"device"`` (default), ``"device-batched"``, ``"host"`` (tree root on the host
-            before upload) or ``"none"``.
+        verify: check of objects not yet verified: ``"device"`` (default), ``"device-batched"``,
+            ``"host"`` (tree root on the host, before placement) or ``"none"``.
+        trust_verified: objects whose host-tier entry was verified when it entered the tier are
+            not checked again; ``False`` checks them too, with ``verify``.
         backend: placement backend (``kmesh_gpu.place``); hash_backend: ``kmesh_gpu.tree_digests``'s.
     """
     device = torch.device(device)
     targets = _check_targets(targets)
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify: expected one of {VERIFY_MODES}, got {verify!r}")
     own_tier = tier is None
     if own_tier:
         tier = HostTier(store, HostTierConfig(retain=False, singleflight=False, verify="none",
                                               pin=device.type == "cuda"))
     t0 = time.perf_counter()
-    leases: list = [None] * len(targets)
+    n = len(targets)
+    leases: list = [None] * n
     report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=IO_ENGINE,
                          notes=[IO_ENGINE_NOTE])
     events: queue.SimpleQueue = queue.SimpleQueue()
     pending = 0  # loads submitted whose "done" event has not been taken yet
+    streams = None
+    read_start = read_end = None
+    prepare_s, sources, o_direct_flags, io_notes = 0.0, {}, set(), set()
+    landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
-        headers = [store.read_header(t.key) for t in targets]
+        # Resident objects are leased here, on this thread: no read and no thread hop.
+        for i, target in enumerate(targets):
+            leases[i] = tier.acquire_resident(target.key, model_fingerprint=model_fingerprint)
+        headers = [lease.header if lease is not None else store.read_header(t.key)
+                   for lease, t in zip(leases, targets)]
         for h in headers:
             check_fingerprint(h, model_fingerprint)
+        if cache is not None:
+            _check_placement(targets, headers, rope)
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        verifier = _Verifier(verify, buffer, hash_backend)
-        # Every object loads at once on the tier's loader threads; this thread turns each chunk that
-        # lands into an async H2D copy and each finished object into a digest launch.
+        streams = _Streams(device)
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+        # Every missing object loads at once on the tier's loader threads; this thread turns each chunk
+        # that lands into an async H2D copy and each finished object into a digest launch.
         read_start = time.perf_counter()
         for i, target in enumerate(targets):
+            if leases[i] is not None:
+                continue
+
             def on_chunk(chunk, lo, hi, i=i):
                 events.put(("chunk", i, chunk, lo, hi))
 
             fut = tier.acquire_async(target.key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
             fut.add_done_callback(lambda f, i=i: events.put(("done", i, f, time.perf_counter(), None)))
             pending += 1
-        read_end, sources, failure = None, {}, None
-        o_direct_flags, io_notes = set(), set()
+        resident = []
+        for i, lease in enumerate(leases):
+            if lease is not None:
+                resident.append((i, _copy_whole(buffer, offsets[i], lease, streams)))
+        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        placement = None
+        if cache is not None:
+            tp = time.perf_counter()
+            placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
+                                   backend=backend, streams=streams)
+            prepare_s = time.perf_counter() - tp
+        for i, event in resident:
+            sources["hit"] = sources.get("hit", 0) + 1
+            report.bytes_moved += headers[i].padded_length
+            # Digests and placement on the work stream read the object only after its copy.
+            streams.work_after(event)
+            verifier.landed(offsets[i], headers[i], lease=leases[i])
+        failure = None
         while pending:
             kind, i, item, a, b = events.get()
             header, off = headers[i], offsets[i]
             if kind == "chunk":
-                # item: the host chunk holding payload bytes [a, b)
+                # item: the pinned host chunk holding payload bytes [a, b)
                 if failure is None:
                     try:
-                        buffer[off + a: off + b].copy_(item, non_blocking=True)
+                        with streams.on_copy():
+                            buffer[off + a: off + b].copy_(item, non_blocking=True)
                     except BaseException as exc:
                         failure = exc
                 continue
             pending -= 1
-            stamp = a
             try:
                 lease = leases[i] = item.result()
             except BaseException as exc:
@@ -305,29 +469,39 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 if lease.header.sha256 != header.sha256:
                     raise IntegrityError(f"segment {targets[i].key}: changed on storage during the restore")
                 sources[lease.source] = sources.get(lease.source, 0) + 1
+                landed[i] = a - t0
                 if lease.source == "read":
-                    read_end = stamp
+                    read_end = a if read_end is None else max(read_end, a)
                     report.bytes_read += header.padded_length
                     o_direct_flags.add(lease.o_direct)
                     if lease.io_note:
                         io_notes.add(lease.io_note)
-                else:
-                    buffer[off: off + header.padded_length].copy_(lease.payload, non_blocking=True)
-                lease.fence(_event(device))
+                    event = streams.copied()
+                    lease.fence(event)
+                else:  # read by a concurrent call (joined) or resident by now: one copy of the whole
+                    event = _copy_whole(buffer, off, lease, streams)
                 report.bytes_moved += header.padded_length
-                verifier.landed(off, header, host_payload=lease.payload.numpy() if verify == "host" else None)
+                streams.work_after(event)
+                verifier.landed(off, header, lease=lease)
             except BaseException as exc:
                 failure = exc
         if failure is not None:
             raise failure
-        verify_s = verifier.finish()
-        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        verify_s, bad = verifier.finish()
+        if bad:
+            for key in bad:
+                tier.evict(key)  # retention must not keep bytes that failed their check
+            raise _integrity_failure(bad)
+        verifier.mark_verified("host_staging")
         result = RestoreResult(report, buffer, offsets, headers, kvs)
-        if cache is not None:
-            _place(result, targets, cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend)
+        if placement is not None:
+            placement.run()
             report.placed = True
+        streams.join()
         _sync(device)
     finally:
+        if streams is not None:
+            streams.join()
         # Loads still in flight after an early error: take their leases so every one is released.
         while pending:
             kind, i, item, _, _ = events.get()
@@ -340,24 +514,40 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 lease.release()
         if own_tier:
             tier.close()
-    report.objects = len(targets)
+    report.objects = n
     report.tier_sources = sources
     report.pinned = tier.pin
     report.o_direct = (o_direct_flags == {True}) if o_direct_flags else None
     report.notes += sorted(io_notes)
-    report.verification = {"device": "device tree-root (per object, overlapped)", "device-batched":
-                           "device tree-root (one batched launch)", "host": "host tree-root before upload",
-                           "none": "none"}[verify]
-    dst = "cudaMemcpyAsync H2D" if device.type == "cuda" else "host memcpy (no GPU)"
+    report.verification = verifier.description
+    report.verified = dict(verifier.counts)
+    cfg = tier.config
+    # Objects should land one after another (digests then overlap later reads); ~equal times mean
+    # the reads of all objects were interleaved and every digest falls in the tail.
+    report.facts["loads_done_s"] = landed
+    report.facts["io"] = {"engine": IO_ENGINE, "read_threads": cfg.read_threads, "chunk_bytes": cfg.chunk_bytes,
+                          "queue_depth": cfg.read_threads, "parallel_loads": cfg.parallel_loads}
+    dst = "cudaMemcpyAsync H2D on a copy stream" if device.type == "cuda" else "host memcpy (no GPU)"
     staging = "pinned host RAM" if tier.pin else "pageable host RAM"
     if sources.get("read"):
         how = "O_DIRECT reads" if report.o_direct else "page-cache reads (O_DIRECT unavailable)"
-        report.mechanism = f"{how} on {IO_ENGINE} -> {staging} -> {dst}, chunked"
+        report.mechanism = (f"{how} on {IO_ENGINE} ({cfg.read_threads} threads, {cfg.chunk_bytes >> 10} KiB "
+                            f"chunks) -> {staging} -> {dst}, chunked as reads land")
     else:
-        report.mechanism = f"host tier ({staging}, retained) -> {dst}"
+        report.mechanism = f"host tier ({staging}, retained) -> {dst}, one copy per object"
     report.timings = {"read_s": (read_end - read_start) if read_end is not None else 0.0, "verify_s": verify_s,
-                      "restore_s": time.perf_counter() - t0}
+                      "prepare_s": prepare_s, "restore_s": time.perf_counter() - t0}
     return result
+
+
+def _copy_whole(buffer: torch.Tensor, offset: int, lease, streams: _Streams):
+    """One async copy of a leased payload into ``buffer[offset:]``; returns its event (fenced on the lease)."""
+    payload = lease.payload
+    with streams.on_copy():
+        buffer[offset: offset + payload.numel()].copy_(payload, non_blocking=True)
+    event = streams.copied()
+    lease.fence(event)
+    return event
 
 
 # ----------------------------------------------------------------------------------- direct
@@ -448,11 +638,14 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
     if is_direct:
         report.notes.append("cuFile can still fall back to POSIX per file when its own allow_compat_mode is "
                             "set and the filesystem is unsupported; cufile.log records such fallbacks")
-    files, registered = [], None
+    files, registered, streams = [], None, None
+    prepare_s = 0.0
     try:
         headers = [store.read_header(t.key) for t in targets]
         for h in headers:
             check_fingerprint(h, model_fingerprint)
+        if cache is not None:
+            _check_placement(targets, headers, rope)
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         if register_buffer and is_direct:
@@ -466,7 +659,8 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
         report.facts["buffer_registered"] = registered is not None
         # kvikio reads on its own threads into memory the current stream may still be using.
         _sync(device)
-        verifier = _Verifier(verify, buffer, hash_backend)
+        streams = _Streams(device)
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=False)
         read_start = time.perf_counter()
         futures = []
         for target, header, off in zip(targets, headers, offsets):
@@ -474,7 +668,15 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             files.append(f)
             futures.append(f.pread(buffer[off: off + header.padded_length], header.padded_length,
                                    header.payload_offset))
+        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        placement = None
+        if cache is not None:  # prepared while kvikio reads
+            tp = time.perf_counter()
+            placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
+                                   backend=backend, streams=streams)
+            prepare_s = time.perf_counter() - tp
         for target, header, off, fut in zip(targets, headers, offsets, futures):
+            # A completed kvikio future means the bytes are in device memory.
             got = fut.get()
             if got != header.padded_length:
                 raise IntegrityError(f"segment {target.key}: read {got} of {header.padded_length} payload bytes "
@@ -483,25 +685,30 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             verifier.landed(off, header)
         read_end = time.perf_counter()
         report.bytes_moved = report.bytes_read
-        verify_s = verifier.finish()
-        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        verify_s, bad = verifier.finish()
+        if bad:
+            raise _integrity_failure(bad)
         result = RestoreResult(report, buffer, offsets, headers, kvs)
-        if cache is not None:
-            _place(result, targets, cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend)
+        if placement is not None:
+            placement.run()
             report.placed = True
+        streams.join()
         _sync(device)
     finally:
+        if streams is not None:
+            streams.join()
         for f in files:
             f.close()
         if registered is not None:
             from kvikio.buffer import memory_deregister
 
+            _sync(device)  # the digests and placement read the buffer
             memory_deregister(registered)
     report.objects = len(targets)
-    report.verification = {"device": "device tree-root (per object, overlapped)", "device-batched":
-                           "device tree-root (one batched launch)", "host": "download + host tree-root",
-                           "none": "none"}[verify]
-    report.timings = {"read_s": read_end - read_start, "verify_s": verify_s, "restore_s": time.perf_counter() - t0}
+    report.verification = verifier.description if verify != "host" else "download + host tree-root"
+    report.verified = dict(verifier.counts)
+    report.timings = {"read_s": read_end - read_start, "verify_s": verify_s, "prepare_s": prepare_s,
+                      "restore_s": time.perf_counter() - t0}
     return result
 
 
@@ -511,6 +718,7 @@ def restore(route: str, store: SegmentStore, targets, **kwargs) -> RestoreResult
         return restore_host_staging(store, targets, **kwargs)
     if route == "direct":
         kwargs.pop("tier", None)
+        kwargs.pop("trust_verified", None)  # nothing is resident on the direct route
         return restore_direct(store, targets, **kwargs)
     raise ValueError(f"route: expected one of {ROUTES}, got {route!r}")
 

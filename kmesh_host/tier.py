@@ -9,6 +9,12 @@
 * **Singleflight** — concurrent :meth:`HostTier.acquire` calls for one key do one read; its
   failure reaches every waiter, and a failed load returns its buffer to the pool.
 
+Verification: an entry records how its bytes were checked (``HostLease.verified``): by the tier's
+own host check at load (``HostTierConfig.verify``), or by a route that computed the object's tree
+root on the device from a copy of this very buffer and marked the entry (``HostLease.mark_verified``).
+Routes may then restore a verified resident entry without checking it again; an entry that fails a
+check is evicted, so retention never keeps bad bytes.
+
 Ownership: the tier owns every buffer. A :class:`HostLease` keeps its entry's buffer alive until
 :meth:`HostLease.release` (or the ``with`` block ends); an async copy that reads a lease's payload is
 recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only after that event.
@@ -151,10 +157,12 @@ class BufferPool:
 
 class _Entry:
     __slots__ = ("key", "header", "buffer", "lead", "refs", "in_map", "dropped", "evict_on_release", "o_direct",
-                 "note")
+                 "note", "verified")
 
-    def __init__(self, key: str, header: SegmentHeader, buffer: HostBuffer, lead: int, o_direct: bool, note):
+    def __init__(self, key: str, header: SegmentHeader, buffer: HostBuffer, lead: int, o_direct: bool, note,
+                 verified: str | None = None):
         self.key, self.header, self.buffer, self.lead = key, header, buffer, lead
+        self.verified = verified
         self.refs = 0
         self.in_map = False
         self.dropped = False  # its buffer went back to the pool
@@ -187,6 +195,19 @@ class HostLease:
     def kv(self) -> torch.Tensor:
         return self.header.kv_view(self.payload)
 
+    @property
+    def verified(self) -> str | None:
+        """How the payload was checked against its stored digests (``None``: not checked yet)."""
+        return self._entry.verified if self._entry is not None else None
+
+    def mark_verified(self, how: str) -> None:
+        """Record that the payload bytes were checked (``how`` names the check); later leases trust it.
+
+        Only call after a check of these bytes (or of a copy made from this buffer) succeeded.
+        """
+        if self._entry is not None:
+            self._entry.verified = how
+
     def fence(self, event) -> None:
         """Record that an async copy reading ``payload`` completes when CUDA ``event`` does."""
         if self._entry is not None:
@@ -207,7 +228,8 @@ class HostLease:
 class HostTier:
     """Segments of one :class:`SegmentStore` held in host RAM (see the module docstring).
 
-    ``acquire`` is the one entry point children use; ``evict`` is for benchmarks and memory
+    ``acquire`` is the one entry point children use (``acquire_resident`` its non-blocking hit-only
+    form, ``acquire_async`` its form on loader threads); ``evict`` is for benchmarks and memory
     pressure; ``stats`` counts ``reads`` (loads from storage), ``bytes_read``, ``hits``, ``joins``,
     ``failures`` and ``evictions``.
     """
@@ -224,6 +246,8 @@ class HostTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.stats = {"reads": 0, "bytes_read": 0, "hits": 0, "joins": 0, "failures": 0, "evictions": 0}
+        # Loads from storage per key (the read-once benchmark checks every key was read exactly once).
+        self.reads_by_key: dict[str, int] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ acquire / release
@@ -239,14 +263,9 @@ class HostTier:
         if self._closed:
             raise KmeshError("host tier is closed")
         for _ in range(8):
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    check_fingerprint(entry.header, model_fingerprint)
-                    entry.refs += 1
-                    self._entries.move_to_end(key)
-                    self.stats["hits"] += 1
-                    return HostLease(self, entry, "hit")
+            lease = self.acquire_resident(key, model_fingerprint=model_fingerprint)
+            if lease is not None:
+                return lease
             if self.config.singleflight:
                 entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, on_chunk))
             else:
@@ -261,6 +280,24 @@ class HostTier:
                         self.stats["joins"] += 1
                     return HostLease(self, entry, "joined" if joined else "read")
         raise BudgetExceeded(f"segment {key}: evicted repeatedly before it could be leased (budget too small)")
+
+    def acquire_resident(self, key: str, *, model_fingerprint: ModelFingerprint) -> HostLease | None:
+        """A lease on ``key`` if it is resident now (``source="hit"``), else ``None``; never reads.
+
+        Runs on the calling thread without waiting for any load, so restoring resident segments
+        costs no thread hop. Raises FingerprintMismatch for a resident segment of another model.
+        """
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            check_fingerprint(entry.header, model_fingerprint)
+            entry.refs += 1
+            self._entries.move_to_end(key)
+            self.stats["hits"] += 1
+            return HostLease(self, entry, "hit")
 
     def acquire_async(self, key: str, *, model_fingerprint: ModelFingerprint,
                       on_chunk: Callable[[torch.Tensor, int, int], None] | None = None) -> "Future[HostLease]":
@@ -298,15 +335,19 @@ class HostTier:
             with self._lock:
                 self.stats["reads"] += 1
                 self.stats["bytes_read"] += padded
+                self.reads_by_key[key] = self.reads_by_key.get(key, 0) + 1
+            verified = None
             if self.config.verify != "none":
                 check_payload(header, buf.view[lead: lead + padded], sha=self.config.verify == "sha256",
                               tree=self.config.verify == "tree")
+                verified = f"host {'SHA-256' if self.config.verify == 'sha256' else 'kmesh-tree-sha256 root'} " \
+                           "when it entered the tier"
         except BaseException:
             with self._lock:
                 self.stats["failures"] += 1
             self.pool.release(buf)
             raise
-        entry = _Entry(key, header, buf, lead, o_direct, note)
+        entry = _Entry(key, header, buf, lead, o_direct, note, verified)
         with self._lock:
             if key not in self._entries:
                 entry.in_map = True
@@ -384,8 +425,9 @@ class HostTier:
                     buffers.append(entry.buffer)
                     freed += entry.buffer.nbytes
         for buf in buffers:
+            # Back to the pool, not freed: a request of the same size reuses the pinned buffer, and
+            # the pool frees cached buffers of other sizes only as far as the budget needs.
             self.pool.release(buf)
-        self.pool.trim()
         return freed
 
     # ------------------------------------------------------------------ introspection / lifetime

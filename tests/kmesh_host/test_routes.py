@@ -6,6 +6,7 @@ direct route needs CUDA and KvikIO.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import kmesh_gpu
+import kmesh_host.routes as routes_mod
 from kmesh_gpu import KVLayout, RopeSpec
 from kmesh_gpu.errors import BackendError
 from kmesh_host import (
@@ -292,4 +294,177 @@ def test_pinned_tier_buffers_are_page_locked(store, segments):
     with tier.acquire(segments[0][0], model_fingerprint=FP) as lease:
         assert lease.payload.is_pinned()
         assert lease.payload.data_ptr() % 4096 == 0
+    tier.close()
+
+
+# ------------------------------------------------------------------ overlap: streams, trust, failures
+class FakeEvent:
+    def __init__(self, n, log):
+        self.n, self.log = n, log
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.log.append(("fence waited", self.n))
+
+    def __eq__(self, other):
+        return other == self.n
+
+    def __hash__(self):
+        return hash(self.n)
+
+
+class RecordingStreams:
+    """Stands in for the route's CUDA streams on the CPU and records what was issued where."""
+
+    def __init__(self, device, log):
+        self.log = log
+        self.events = 0
+
+    def on_copy(self):
+        self.log.append(("copy",))
+        return contextlib.nullcontext()
+
+    def on_work(self):
+        return contextlib.nullcontext()
+
+    def copied(self):
+        self.events += 1
+        self.log.append(("event", self.events))
+        return FakeEvent(self.events, self.log)
+
+    def work_after(self, event):
+        self.log.append(("wait", event.n))
+
+    def join(self):
+        self.log.append(("join",))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log = []
+    monkeypatch.setattr(routes_mod, "_Streams", lambda device: RecordingStreams(device, log))
+    real_prepare, real_digests, real_run = routes_mod.prepare_place_many, kmesh_gpu.tree_digests, \
+        routes_mod._Placement.run
+
+    def prepare(*a, **k):
+        log.append(("prepare",))
+        return real_prepare(*a, **k)
+
+    def digests(data, offsets, lengths, **k):
+        log.append(("digest", tuple(offsets)))
+        return real_digests(data, offsets, lengths, **k)
+
+    def run(self):
+        log.append(("place",))
+        real_run(self)
+
+    monkeypatch.setattr(routes_mod, "prepare_place_many", prepare)
+    monkeypatch.setattr(kmesh_gpu, "tree_digests", digests)
+    monkeypatch.setattr(routes_mod._Placement, "run", run)
+    return log
+
+
+def check_issue_order(log, n_objects, *, digests):
+    """Work-stream work (digests, placement) waits for copies issued before it; prepared first."""
+    at = {entry: i for i, entry in enumerate(log)}
+    place = at[("place",)]
+    prepare = at[("prepare",)]
+    events = [e for e in log if e[0] == "event"]
+    assert events and all(at[("wait", e[1])] < place for e in events)  # every copy event waited
+    last_copy = max(i for i, e in enumerate(log) if e[0] == "copy")
+    assert any(at[e] > last_copy and at[("wait", e[1])] < place for e in events)
+    dig = [i for i, e in enumerate(log) if e[0] == "digest"]
+    assert len(dig) == (n_objects if digests else 0)
+    for i in dig:  # each digest after a wait for the copies issued before it, after preparation
+        waits = [j for j, e in enumerate(log[:i]) if e[0] == "wait"]
+        copies = [j for j, e in enumerate(log[:i]) if e[0] == "copy"]
+        assert waits and prepare < i and (not copies or max(waits) > max(copies))
+    assert log[-1] == ("join",) and place < len(log) - 1 and not any(e[0] == "fence waited" for e in log)
+
+
+def test_forced_read_issue_order(store, segments, recorded):
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    tier = make_tier(store, "cpu")
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.placed and result.report.tier_sources == {"read": 3}
+    check_issue_order(recorded, 3, digests=True)
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    tier.close()
+
+
+def test_resident_issue_order_copies_once_per_object(store, segments, recorded):
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    tier = make_tier(store, "cpu", retain=True)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                         layout=layout, rope=ROPE)
+    recorded.clear()
+    cache = layout.allocate("cpu", fill=0x7F)
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.tier_sources == {"hit": 3}
+    assert sum(e[0] == "copy" for e in recorded) == 3  # one H2D per object, no chunking
+    check_issue_order(recorded, 3, digests=False)  # verified on entry: trusted, not hashed again
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    tier.close()
+
+
+def test_resident_objects_are_trusted_or_reverified(store, segments):
+    tier = make_tier(store, "cpu", retain=True)
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    first = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    assert first.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
+    trusted = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    [(how, count)] = trusted.report.verified.items()
+    assert count == 3 and how.startswith("trusted: device kmesh-tree-sha256 root of a copy of this buffer")
+    again = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, trust_verified=False)
+    assert again.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
+    # Bytes damaged in RAM after their check: trusting restores them, re-verification refuses them.
+    key = segments[2][0]
+    with tier.acquire(key, model_fingerprint=FP) as lease:
+        lease.payload[77] ^= 0x10
+    with pytest.raises(IntegrityError, match=key):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, trust_verified=False)
+    assert key not in tier and segments[0][0] in tier  # the failed object left the tier
+    assert tier.pool.in_use_bytes == tier.resident_bytes
+    fresh = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    assert fresh.report.tier_sources == {"hit": 2, "read": 1}
+    assert torch.equal(fresh.kv[2].view(torch.uint8), segments[2][1].view(torch.uint8))
+    tier.close()
+
+
+@pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
+def test_overlapped_verification_names_every_corrupt_object(store, segments, verify):
+    for key, _, _ in segments[:2]:
+        off = store.read_header(key).payload_offset
+        with open(store.path(key), "r+b") as f:
+            f.seek(off + 4100)
+            byte = f.read(1)
+            f.seek(off + 4100)
+            f.write(bytes([byte[0] ^ 0x01]))
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    before = cache.clone()
+    tier = make_tier(store, "cpu", retain=True)
+    with pytest.raises(IntegrityError, match="nothing was placed") as err:
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE, verify=verify)
+    assert segments[0][0] in str(err.value) and segments[1][0] in str(err.value)
+    assert segments[2][0] not in str(err.value)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    assert tier.resident() == [segments[2][0]]  # retention keeps only what checked out
+    assert tier.pool.in_use_bytes == tier.resident_bytes
+    tier.close()
+
+
+def test_verify_none_trusts_nothing_and_marks_nothing(store, segments):
+    tier = make_tier(store, "cpu", retain=True)
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    first = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, verify="none")
+    assert first.report.verified == {"not verified": 3}
+    second = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+    assert second.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
     tier.close()

@@ -24,6 +24,7 @@ from kmesh_host import (
     SingleFlight,
 )
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
+from kmesh_host.tier import BufferPool
 
 FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
 OBJ = 8192  # padded payload of one test segment: (2, 2, 64, 2, 8) bf16 = 8192 bytes
@@ -245,6 +246,85 @@ def test_budget_exceeded_by_live_leases(store, keys):
     with pytest.raises(BudgetExceeded):
         small.acquire(keys[0], model_fingerprint=FP)
     small.close()
+
+
+class FakeFence:
+    """A CUDA event stand-in: ``done`` says whether the copy it marks has finished."""
+
+    def __init__(self, done=False):
+        self.done, self.waited = done, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_pooled_buffer_is_reused_only_after_every_copy_reading_it():
+    pool = BufferPool(4 * OBJ, pin=False)
+    buf = pool.acquire(OBJ)
+    first, second = FakeFence(), FakeFence()
+    buf.set_fence(first)   # child A copies from the buffer on one stream
+    buf.set_fence(second)  # child B on another: both must be waited for, not just the last
+    pool.release(buf)
+    again = pool.acquire(OBJ)
+    assert again is buf and pool.allocations == 1  # pooled: not allocated (or pinned) again
+    assert first.waited == 1 and second.waited == 1
+    again.set_fence(FakeFence(done=True))
+    later = FakeFence()
+    again.set_fence(later)  # completed fences are dropped, pending ones kept
+    pool.release(again)
+    pool.close()  # closing waits for the pending copy before unmapping
+    assert later.waited == 1
+    assert again.closed
+
+
+def test_fences_of_a_retained_entry_are_waited_before_its_buffer_is_reused(store, keys):
+    tier = tier_for(store, budget_bytes=OBJ)
+    fences = []
+    for _child in range(2):
+        with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+            fences.append(FakeFence())
+            lease.fence(fences[-1])
+    assert [f.waited for f in fences] == [0, 0]
+    with tier.acquire(keys[1], model_fingerprint=FP) as lease:  # reclaims keys[0]'s buffer
+        assert torch.equal(lease.kv, kv_for(1))
+    assert [f.waited for f in fences] == [1, 1] and tier.pool.allocations == 1
+    tier.close()
+
+
+def test_acquire_resident_never_reads(store, keys):
+    tier = tier_for(store)
+    assert tier.acquire_resident(keys[0], model_fingerprint=FP) is None
+    assert tier.stats["reads"] == 0 and tier.pool.in_use_bytes == 0
+    tier.acquire(keys[0], model_fingerprint=FP).release()
+    with tier.acquire_resident(keys[0], model_fingerprint=FP) as lease:
+        assert lease.source == "hit" and torch.equal(lease.kv, kv_for(0))
+    other = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
+    with pytest.raises(FingerprintMismatch):
+        tier.acquire_resident(keys[0], model_fingerprint=other)
+    assert tier.stats["reads"] == 1 and tier.reads_by_key == {keys[0]: 1}
+    tier.close()
+
+
+@pytest.mark.parametrize("verify", ["sha256", "tree", "none"])
+def test_entries_record_how_they_were_verified(store, keys, verify):
+    tier = tier_for(store, verify=verify)
+    with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+        if verify == "none":
+            assert lease.verified is None
+            lease.mark_verified("device root (test)")
+        else:
+            assert lease.verified.startswith("host ") and "entered the tier" in lease.verified
+    with tier.acquire(keys[0], model_fingerprint=FP) as lease:
+        assert lease.verified is not None and lease.source == "hit"
+    tier.evict()
+    with tier.acquire(keys[0], model_fingerprint=FP) as lease:  # a fresh read starts unverified again
+        assert (lease.verified is None) == (verify == "none")
+    assert tier.reads_by_key == {keys[0]: 2}
+    tier.close()
 
 
 def test_on_chunk_streams_the_payload_in_order(store, keys):
