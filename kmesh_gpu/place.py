@@ -17,6 +17,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import _backend
@@ -80,9 +81,9 @@ def _index(name: str, x, n: int) -> torch.Tensor:
 class _Item:
     kv: torch.Tensor          # (2, L, T, H, D), storage dtype, contiguous
     cache_key: tuple          # identity of the destination cache
-    slots: torch.Tensor       # int64[T], a view of the batch's concatenated slots (index device)
-    old: torch.Tensor | None  # int64[T] likewise
-    new: torch.Tensor | None
+    slots: np.ndarray         # int64[T], a view of the batch's concatenated slots (host)
+    old: np.ndarray | None    # int64[T] likewise
+    new: np.ndarray | None
 
 
 def _check_kv(name: str, kv, layout: KVLayout, device: torch.device) -> torch.Tensor:
@@ -118,12 +119,17 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
     cache_views: dict[tuple, tuple[list[torch.Tensor], bool]] = {}
     items: list[_Item] = []
     raw_slots, raw_old, raw_new = [], [], []
+    checked: dict[int, tuple] = {}
     device = None
     for i in range(n):
         c = caches[i]
-        flats, per_layer = _cache_layers(c, layout, "cache" if n == 1 else f"caches[{i}]")
-        key = tuple(f.data_ptr() for f in flats)
-        cache_views.setdefault(key, (flats, per_layer))
+        seen = checked.get(id(c))  # many items usually share one cache object: check it once
+        if seen is None or seen[0] is not c:
+            flats, per_layer = _cache_layers(c, layout, "cache" if n == 1 else f"caches[{i}]")
+            key = tuple(f.data_ptr() for f in flats)
+            cache_views.setdefault(key, (flats, per_layer))
+            checked[id(c)] = seen = (c, key, flats)
+        _, key, flats = seen
         device = device or flats[0].device
         if flats[0].device != device:
             raise LayoutError(f"caches[{i}]: all caches must be on one device ({device}), got {flats[0].device}")
@@ -135,12 +141,12 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
             raw_old.append(_index("old_positions" + sfx, old_positions[i], T))
             raw_new.append(_index("new_positions" + sfx, new_positions[i], T))
         items.append(_Item(kv, key, None, None, None))
-    # One concatenation per index kind, on the device of the first slots tensor (usually the host,
-    # where schedulers build slot mappings); every value check then runs once over the batch.
-    idx_dev = raw_slots[0].device if raw_slots else torch.device("cpu")
-    all_slots = torch.cat([x.to(idx_dev) for x in raw_slots]) if raw_slots else torch.zeros(0, dtype=torch.int64)
-    all_old = torch.cat([x.to(idx_dev) for x in raw_old]) if rope is not None and raw_old else None
-    all_new = torch.cat([x.to(idx_dev) for x in raw_new]) if rope is not None and raw_new else None
+    # Index tensors are small: they are checked and turned into launch tables on the host with
+    # numpy (microseconds per operation, where torch's per-op dispatch costs more than the work).
+    # CPU tensors are viewed, not copied; CUDA index tensors come over in one read each.
+    all_slots = _host_cat(raw_slots)
+    all_old = _host_cat(raw_old) if rope is not None else None
+    all_new = _host_cat(raw_new) if rope is not None else None
     pos = 0
     for it in items:
         T = it.kv.shape[2]
@@ -159,42 +165,49 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
     return items, cache_views, device, scale
 
 
+def _host_cat(parts: list[torch.Tensor]) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    arrays = [p.detach().cpu().numpy() for p in parts]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old, all_new, item_cache: list[int],
                   *, check_duplicates: bool) -> None:
-    """Range checks of slots and positions and the no-duplicate-slot rule over the whole batch, where
-    the indices live, read back with one synchronisation; details are worked out only on failure."""
+    """Range checks of slots and positions and the no-duplicate-slot rule over the whole batch
+    (host arrays); details are worked out only on failure."""
     n, S = len(items), layout.num_slots
-    if all_slots.numel() == 0:
+    if all_slots.size == 0:
         return
     valid = all_slots >= 0
-    flags = [((all_slots < -1) | (all_slots >= S)).any()]
-    if rope is not None:
+    bad = bool(((all_slots < -1) | (all_slots >= S)).any())
+    if rope is not None and not bad:
         P = rope.num_positions
-        flags.append((((all_old < 0) | (all_old >= P)) & valid).any())
-        flags.append((((all_new < 0) | (all_new >= P)) & valid).any())
-    if check_duplicates:  # two writes to one slot of one cache would race
-        counts = torch.tensor([it.kv.shape[2] for it in items], device=all_slots.device)
-        which = torch.repeat_interleave(torch.tensor(item_cache, device=all_slots.device), counts,
-                                        output_size=all_slots.numel())
-        key = (which * S + all_slots.clamp(0, S - 1))[valid]
+        bad = bool((((all_old < 0) | (all_old >= P)) & valid).any() or (((all_new < 0) | (all_new >= P)) & valid).any())
+    if check_duplicates and not bad:  # two writes to one slot of one cache would race
+        counts = [it.kv.shape[2] for it in items]
+        which = np.repeat(np.asarray(item_cache, dtype=np.int64), counts)
+        key = (which * S + all_slots)[valid]
         bins = (max(item_cache) + 1) * S
-        if bins <= max(1 << 22, 8 * key.numel()):
-            flags.append(torch.bincount(key, minlength=bins).max() > 1 if key.numel() else flags[0] & False)
+        if bins <= max(1 << 22, 8 * key.size):
+            dup = key.size > 0 and int(np.bincount(key, minlength=bins).max()) > 1
         else:
-            srt = torch.sort(key).values
-            flags.append((srt[1:] == srt[:-1]).any())
-    if not bool(torch.stack(flags).any()):
+            srt = np.sort(key)
+            dup = bool((srt[1:] == srt[:-1]).any())
+        if dup:
+            raise LayoutError("slots: the same destination slot appears more than once for one cache")
+    if not bad:
         return
-    for i, it in enumerate(items):  # failure: find the first offending argument and describe it
+    for i, it in enumerate(items):  # find the first offending argument and describe it
         sfx = "" if n == 1 else f"[{i}]"
-        sl = it.slots.cpu()
-        if sl.numel() and (int(sl.min()) < -1 or int(sl.max()) >= S):
+        sl = it.slots
+        if sl.size and (int(sl.min()) < -1 or int(sl.max()) >= S):
             raise LayoutError(f"slots{sfx}: expected values in [-1, {S}) (num_blocks x block_size = "
                               f"{layout.num_blocks} x {layout.block_size}), got range [{int(sl.min())}, {int(sl.max())}]")
         if rope is not None:
-            rope.check_positions("old_positions" + sfx, it.old.cpu()[sl >= 0])
-            rope.check_positions("new_positions" + sfx, it.new.cpu()[sl >= 0])
-    raise LayoutError("slots: the same destination slot appears more than once for one cache")
+            rope.check_positions("old_positions" + sfx, torch.from_numpy(it.old[sl >= 0]))
+            rope.check_positions("new_positions" + sfx, torch.from_numpy(it.new[sl >= 0]))
+    raise LayoutError("slots or positions: out of range")
 
 
 def _k_scale(k_scale, L: int) -> torch.Tensor:
@@ -246,11 +259,12 @@ def _torch_run(items, cache_views, layout, rope, scale, *, gather: bool) -> None
         valid = it.slots >= 0
         if not bool(valid.any()):
             continue
-        vidx = valid.nonzero().flatten().to(dev)
-        sl = it.slots[valid].to(dev)
+        vidx = torch.from_numpy(np.flatnonzero(valid)).to(dev)
+        sl = torch.from_numpy(it.slots[valid]).to(dev)
         src = it.kv.index_select(2, vidx)  # (2, L, T', H, D)
         if rope is not None and not gather:
-            k = _shifted_keys(src[0], it.old[valid].to(dev), it.new[valid].to(dev), rope, scale, layout)
+            k = _shifted_keys(src[0], torch.from_numpy(it.old[valid]).to(dev), torch.from_numpy(it.new[valid]).to(dev),
+                              rope, scale, layout)
             src = torch.stack((k, src[1]))
         layers = range(layout.num_layers)
         for which in (0, 1):
@@ -299,45 +313,49 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     total = starts[-1]
 
     def i64(vals):  # addresses as int64 bit patterns
-        return torch.tensor([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=torch.int64)
+        return np.array([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=np.int64)
 
     st, vt = layout.k_strides, layout.v_strides
     kv_ptrs = [it.kv.data_ptr() for it in items]
     item_cache = [keys.index(it.cache_key) for it in items]
     small = {
         "kv_ptrs": i64(kv_ptrs),
-        "item_tok_start": torch.tensor(starts, dtype=torch.int64),
+        "item_tok_start": np.asarray(starts, dtype=np.int64),
         "layer_base": i64(layer_base),
-        "item_cache": torch.tensor(item_cache, dtype=torch.int64),
-        "k_st": torch.tensor([st[1], st[2], st[3], st[4], layout.k_offset], dtype=torch.int64),
-        "v_st": torch.tensor([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=torch.int64),
+        "item_cache": np.asarray(item_cache, dtype=np.int64),
+        "k_st": np.asarray([st[1], st[2], st[3], st[4], layout.k_offset], dtype=np.int64),
+        "v_st": np.asarray([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=np.int64),
     }
-    slots = torch.cat([it.slots for it in items])
-    idx_dev = slots.device
-    cnt = torch.tensor(counts, dtype=torch.int64, device=idx_dev)
-    tok_item = torch.repeat_interleave(torch.arange(len(items), device=idx_dev), cnt, output_size=total)
-    t_in_item = torch.arange(total, device=idx_dev) - torch.tensor(starts[:-1], device=idx_dev)[tok_item]
+    slots = np.concatenate([it.slots for it in items]) if len(items) > 1 else items[0].slots
+    cnt = np.asarray(counts, dtype=np.int64)
+    tok_item = np.repeat(np.arange(len(items), dtype=np.int64), cnt)
+    t_in_item = np.arange(total, dtype=np.int64) - small["item_tok_start"][:-1][tok_item]
     row = layout.num_kv_heads * layout.head_size * itemsize
     N = layout.block_size
-    blk, pos = slots.div(N, rounding_mode="floor"), slots.remainder(N)
-    old = torch.cat([it.old for it in items]) if rope is not None else slots
-    new = torch.cat([it.new for it in items]) if rope is not None else slots
-    tok = torch.stack((
-        slots,
-        i64(kv_ptrs).to(idx_dev)[tok_item] + t_in_item * row,
-        cnt[tok_item] * row,
-        layout.k_offset + blk * st[1] + pos * st[3],
-        layout.v_offset + blk * vt[1] + pos * vt[3],
-        torch.tensor(item_cache, dtype=torch.int64, device=idx_dev)[tok_item] * L,
-        old, new, tok_item,
-    ))
-    # one transfer: the small tables (host) and the per-token rows (index device) in one buffer
-    packed = torch.cat([torch.cat(list(small.values())).to(idx_dev), tok.reshape(-1)]).to(device)
+    blk, pos = slots // N, slots % N
+    if rope is not None:
+        old = np.concatenate([it.old for it in items]) if len(items) > 1 else items[0].old
+        new = np.concatenate([it.new for it in items]) if len(items) > 1 else items[0].new
+    else:
+        old = new = slots
+    # one host buffer, one transfer: the small tables, then the per-token rows (see TokRow in place.cu)
+    n_small = sum(a.size for a in small.values())
+    packed = np.empty(n_small + 9 * total, dtype=np.int64)
+    np.concatenate(list(small.values()), out=packed[:n_small])
+    tok = packed[n_small:].reshape(9, total)
+    tok[0] = slots
+    tok[1] = small["kv_ptrs"][tok_item] + t_in_item * row
+    tok[2] = cnt[tok_item] * row
+    tok[3] = layout.k_offset + blk * st[1] + pos * st[3]
+    tok[4] = layout.v_offset + blk * vt[1] + pos * vt[3]
+    tok[5] = small["item_cache"][tok_item] * L
+    tok[6], tok[7], tok[8] = old, new, tok_item
+    dev_packed = torch.from_numpy(packed).to(device)
     out, p0 = {}, 0
     for name, t in small.items():
-        out[name] = packed[p0:p0 + t.numel()]
-        p0 += t.numel()
-    tok_dev = packed[p0:].view(9, total)
+        out[name] = dev_packed[p0:p0 + t.size]
+        p0 += t.size
+    tok_dev = dev_packed[p0:].view(9, total)
     out["tok"] = tok_dev
     out["slots"], out["old_pos"], out["new_pos"], out["tok_item"] = tok_dev[0], tok_dev[6], tok_dev[7], tok_dev[8]
     out["total"] = total
