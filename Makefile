@@ -32,9 +32,12 @@ test: $(STAMP)
 gpu-test:
 	PYTHONPATH=. $(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
 
+# On the GPU machine; each script prints a table and writes JSON (and PNGs) under perf/out/.
 bench:
-	PYTHONPATH=. $(PYTHON) perf/bench_place.py
-	PYTHONPATH=. $(PYTHON) perf/run_sha256.py
+	PYTHONPATH=. $(PYTHON) perf/bench_place.py --device cuda
+	PYTHONPATH=. $(PYTHON) perf/run_sha256.py --device cuda
+	PYTHONPATH=. $(PYTHON) perf/run_ssd_routes.py --device cuda
+	PYTHONPATH=. $(PYTHON) perf/bench_service.py --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,9 @@
 """The model worker's side of the cache service: :class:`CacheClient` (a context manager).
 
 One client is one connection; its methods are thread-safe (one request in flight at a time).
+For a GPU registration the client holds one interprocess CUDA event per registration, re-recorded on
+the calling thread's current stream right before each restore or save is sent, so the service's copy
+waits for the client's earlier work on those blocks.
 Errors come back typed: the service's ``OwnershipError``, ``DrainError``, ``LayoutError``,
 ``ProtocolError``, ``SegmentNotFound`` ... are raised here as the same classes. An error that
 concerns a submitted operation carries its id in ``exc.op_id`` (drain it before reusing its blocks).
@@ -17,6 +20,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kmesh_gpu.errors import LayoutError, ProtocolError, ServiceError
@@ -35,10 +39,12 @@ class RestoreItem:
     new_positions: list | None = None
 
     def to_dict(self) -> dict:
+        """A JSON-friendly description (for logs; requests carry the indices as binary int64)."""
         d = {"key": self.key, "slots": _ints("slots", self.slots)}
         if self.new_positions is not None:
             d["new_positions"] = _ints("new_positions", self.new_positions)
         return d
+
 
 
 @dataclass
@@ -66,6 +72,22 @@ def _ints(name: str, values) -> list[int]:
     return [int(v) for v in values]
 
 
+def _int64(name: str, values) -> np.ndarray:
+    """``values`` (an int64[T] tensor or a sequence of integers) as a 1-D int64 array for the wire."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
+                              f"{list(values.shape)}")
+        return values.cpu().numpy()
+    try:
+        a = np.asarray(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LayoutError(f"{name}: expected integers ({exc})") from exc
+    if a.ndim != 1:
+        raise LayoutError(f"{name}: expected a flat sequence of integers, got shape {list(a.shape)}")
+    return a
+
+
 class CacheClient:
     """A connection to the cache service at ``socket_path``.
 
@@ -78,6 +100,7 @@ class CacheClient:
         self.max_body_bytes = max_body_bytes
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._events: dict[int, tuple[torch.cuda.Event, str]] = {}  # reg id -> (event, IPC handle hex)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -89,12 +112,21 @@ class CacheClient:
     # ------------------------------------------------------------------ plumbing
     def call(self, header: dict, body: bytes = b"") -> protocol.Message:
         """Send one request and return its reply; a typed error reply is raised as its class."""
+        return self._call(header, body)
+
+    def _call(self, header: dict, body: bytes = b"", *, event_for=None) -> protocol.Message:
+        """``event_for``: a GPU registration whose event is recorded (and named in ``wait_event``)
+        under the connection lock, so no other request of this connection can re-record it before
+        the service has queued its wait on it."""
         with self._lock:
             if self._sock is None:
                 raise ServiceError("CacheClient: closed")
             rid = next(self._ids)
+            header = {**header, "id": rid}
+            if event_for is not None and event_for.is_cuda:
+                header["wait_event"] = self._record_event(event_for)
             try:
-                protocol.send_message(self._sock, {**header, "id": rid}, body, max_body_bytes=self.max_body_bytes)
+                protocol.send_message(self._sock, header, body, max_body_bytes=self.max_body_bytes)
                 reply = protocol.read_message(self._sock, max_body_bytes=self.max_body_bytes)
             except (OSError, protocol.ConnectionClosed) as exc:
                 raise ServiceError(f"cache service connection lost during {header.get('op')!r}: {exc}") from exc
@@ -113,6 +145,7 @@ class CacheClient:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+            self._events.clear()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -124,14 +157,19 @@ class CacheClient:
     def _auth(reg: Registration) -> dict:
         return {"reg": reg.reg_id, "secret": reg.secret}
 
-    @staticmethod
-    def _client_event(reg: Registration) -> dict:
-        """An interprocess event after the client's queued work, so the service's copy waits for it."""
-        if not reg.is_cuda:
-            return {}
-        ev = torch.cuda.Event(interprocess=True)
-        ev.record(torch.cuda.current_stream(reg.cache.device))
-        return {"wait_event": bytes(ev.ipc_handle()).hex(), "_event": ev}
+    def _record_event(self, reg: Registration) -> str:
+        """Record this connection's interprocess event of ``reg`` after the calling thread's queued
+        work; returns its IPC handle (hex). Created once: opening an IPC event costs the service far
+        more than a record costs here. Called with ``_lock`` held."""
+        entry = self._events.get(reg.reg_id)
+        stream = torch.cuda.current_stream(reg.cache.device)
+        if entry is None:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(stream)  # first record creates it on the cache's device, then the handle
+            entry = self._events[reg.reg_id] = (event, bytes(event.ipc_handle()).hex())
+        else:
+            entry[0].record(stream)
+        return entry[1]
 
     # ------------------------------------------------------------------ service state and originals
     def status(self) -> dict:
@@ -195,28 +233,39 @@ class CacheClient:
         reading or reusing the blocks.
         """
         items = [it if isinstance(it, RestoreItem) else RestoreItem(*it) for it in items]
-        header = {"op": "restore", **self._auth(reg), "items": [it.to_dict() for it in items], "wait": wait,
+        described, slots, new_positions = [], [], []
+        for it in items:
+            s = _int64("slots", it.slots)
+            d = {"key": it.key, "slots": len(s)}
+            slots.append(s)
+            if it.new_positions is not None:
+                p = _int64("new_positions", it.new_positions)
+                d["new_positions"] = len(p)
+                new_positions.append(p)
+            described.append(d)
+        arrays = {"slots": np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)}
+        if new_positions:
+            arrays["new_positions"] = np.concatenate(new_positions)
+        tensors, body = protocol.pack_int64(arrays)
+        header = {"op": "restore", **self._auth(reg), "items": described, "tensors": tensors, "wait": wait,
                   "timeout": timeout}
         if model_fingerprint is not None:
             header["model_fingerprint"] = model_fingerprint
         if inject:
             header["inject"] = inject
-        ev = self._client_event(reg)
-        header.update({k: v for k, v in ev.items() if not k.startswith("_")})
-        return int(self.call(header).header["op"])
+        return int(self._call(header, body, event_for=reg).header["op"])
 
     def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
              timeout: float | None = None, inject: dict | None = None) -> int:
         """Copy the registration's ``slots`` into a new host original ``key`` (published once drained)."""
-        header = {"op": "save", **self._auth(reg), "key": key, "slots": _ints("slots", slots),
-                  "positions": _ints("positions", positions), "wait": wait, "timeout": timeout}
+        arrays = {"slots": _int64("slots", slots), "positions": _int64("positions", positions)}
         if token_ids is not None:
-            header["token_ids"] = _ints("token_ids", token_ids)
+            arrays["token_ids"] = _int64("token_ids", token_ids)
+        tensors, body = protocol.pack_int64(arrays)
+        header = {"op": "save", **self._auth(reg), "key": key, "tensors": tensors, "wait": wait, "timeout": timeout}
         if inject:
             header["inject"] = inject
-        ev = self._client_event(reg)
-        header.update({k: v for k, v in ev.items() if not k.startswith("_")})
-        return int(self.call(header).header["op"])
+        return int(self._call(header, body, event_for=reg).header["op"])
 
     def cancel(self, reg: Registration, op_id: int) -> dict:
         """Discard an operation's result. Its blocks stay held until it has drained."""
@@ -241,4 +290,6 @@ class CacheClient:
         has unmapped the cache and the client may free or reuse it; ``False``: copies are still
         pending (the service keeps waiting for them; ask again, or watch ``status``)."""
         h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
+        with self._lock:
+            self._events.pop(reg.reg_id, None)
         return bool(h["freed"])

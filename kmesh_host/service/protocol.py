@@ -8,7 +8,10 @@ Requests carry ``{"op": str, "id": int, ...}``; replies carry ``{"id": int, "ok"
 ``{"id": int, "ok": false, "error": {"code": str, "message": str}}``. Error codes map to the KMesh
 exception classes in :data:`ERROR_CODES`, so a client re-raises the same typed error the service
 raised. Tensors travel in the body, described by ``{"dtype", "shape", "offset", "nbytes"}`` entries
-in the header (see :func:`pack_tensors`).
+in the header (see :func:`pack_tensors`); so do the int64 index arrays of restore and save requests
+(slots, positions), which would cost a JSON number per token each way otherwise.
+
+Version 2: restore and save requests carry their index arrays in the body (version 1 sent JSON lists).
 
 A frame whose prefix is wrong (bad magic, unknown version, a length over the limit) cannot be
 skipped safely, so the receiver answers with an error and closes the connection; a frame that is
@@ -23,6 +26,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kmesh_gpu.errors import (
@@ -38,7 +42,7 @@ from kmesh_gpu.errors import (
 )
 
 MAGIC = b"KMSH"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 #: Default body limit: one message carries at most one upload of an original (a few MiB at seed size).
@@ -210,6 +214,28 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict, bytes]:
         parts.append(raw)
         offset += len(raw)
     return descr, b"".join(parts)
+
+
+def pack_int64(arrays: dict[str, np.ndarray]) -> tuple[dict, bytes]:
+    """1-D int64 arrays (slots, positions) laid end to end, described like :func:`pack_tensors`."""
+    descr, parts, offset = {}, [], 0
+    for name, a in arrays.items():
+        raw = np.ascontiguousarray(a, dtype="<i8").tobytes()
+        descr[name] = {"dtype": "int64", "shape": [len(a)], "offset": offset, "nbytes": len(raw)}
+        parts.append(raw)
+        offset += len(raw)
+    return descr, b"".join(parts)
+
+
+def unpack_int64(descr: dict, body: bytes, name: str, *, optional: bool = False) -> torch.Tensor | None:
+    """The 1-D int64 array ``name`` of a request (see :func:`pack_int64`), a CPU tensor."""
+    if optional and (not isinstance(descr, dict) or name not in descr):
+        return None
+    t = unpack_tensor(descr, body, name)
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise ProtocolError(f"tensors.{name}: expected int64[N], got {str(t.dtype).removeprefix('torch.')}"
+                            f"{list(t.shape)}")
+    return t
 
 
 def unpack_tensor(descr: dict, body: bytes, name: str) -> torch.Tensor:

@@ -29,6 +29,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
+
 from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError
 
 
@@ -218,19 +220,26 @@ class Registry:
 
     # ------------------------------------------------------------------ bounds
     @staticmethod
-    def blocks_of_slots(reg: Registration, slots: list[int], *, name: str = "slots") -> frozenset:
-        """Blocks addressed by ``slots`` after bounds and duplicate checks (``-1`` is skipped)."""
+    def blocks_of_slots(reg: Registration, slots, *, name: str = "slots") -> frozenset:
+        """Blocks addressed by ``slots`` (a list, int64 array or CPU tensor) after bounds and
+        duplicate checks (``-1`` is skipped). Vectorised: a request carries hundreds of slots."""
         n_slots, block_size = reg.layout.num_slots, reg.layout.block_size
-        seen = set()
-        for i, s in enumerate(slots):
-            if s == -1:
-                continue
-            if not 0 <= s < n_slots:
-                raise LayoutError(f"{name}[{i}]: slot {s} outside 0..{n_slots - 1} of registration {reg.reg_id}")
-            if s in seen:
-                raise LayoutError(f"{name}[{i}]: slot {s} addressed twice in one request")
-            seen.add(s)
-        return frozenset(s // block_size for s in seen)
+        s = np.asarray(slots)  # a CPU tensor is viewed, not copied
+        if s.ndim != 1 or (s.size and s.dtype.kind not in "iu"):
+            raise LayoutError(f"{name}: expected integers [N], got {s.dtype}{list(s.shape)}")
+        if not s.size:
+            return frozenset()
+        bad = np.flatnonzero((s < -1) | (s >= n_slots))
+        if bad.size:
+            i = int(bad[0])
+            raise LayoutError(f"{name}[{i}]: slot {int(s[i])} outside 0..{n_slots - 1} of registration {reg.reg_id}")
+        valid = np.sort(s[s >= 0])
+        dup = np.flatnonzero(valid[1:] == valid[:-1])
+        if dup.size:
+            value = int(valid[dup[0]])
+            i = int(np.flatnonzero(s == value)[1])
+            raise LayoutError(f"{name}[{i}]: slot {value} addressed twice in one request")
+        return frozenset(np.unique(valid // block_size).tolist())
 
     @staticmethod
     def check_blocks(reg: Registration, blocks: list[int], *, name: str = "blocks") -> frozenset:

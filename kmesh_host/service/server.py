@@ -9,14 +9,21 @@ Inside the service, one thread per connection reads requests (:mod:`.protocol`),
 and per-registration secret (:mod:`.registry`), bounds-checks every slot and block against the
 registered layout, and only then reserves the blocks and submits copies:
 
-* ``restore``: shared original (host RAM) -> upload -> ``kmesh_gpu.place_many`` (RoPE shift) into
-  the client's blocks, on a service stream that first waits for the client's event;
+* ``restore``: shared original (host RAM) -> its device copy (uploaded on first use and kept, see
+  :class:`~.sources.DeviceOriginals`) -> ``kmesh_gpu.place_many`` (RoPE shift) into the client's
+  blocks, on the registration's stream, which first waits for the client's event;
 * ``save``: the client's blocks -> ``kmesh_gpu.gather`` -> pinned host buffer, published as an
   original only once the copy has drained.
 
 Each submission ends with a CUDA event (CPU copies are finished when they return); the operation's
 source and destination stay held until a wait on that event succeeds (``drain``, ``acquire``, a
 synchronous request, ``close`` or the reaper for clients that went away).
+
+Fixed cost per request is kept small because a restore's own work is a millisecond or two: index
+arrays travel as binary int64 and are checked vectorised; the client's interprocess event is opened
+once per connection and registration and re-recorded by the client for every request; originals
+stay on the device; a lone request's completion is polled briefly before a blocking wait, while
+concurrent requests wait blocking so that waiting threads leave the CPU to the working ones.
 
 Fault injection (``allow_fault_injection=True`` only; tests): a request may carry ``inject``:
 ``{"spin_cycles": int}`` queues a spin kernel ahead of its copy, ``{"fail_after_submit": true}``
@@ -38,6 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
@@ -45,7 +53,7 @@ from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError
 from . import protocol
 from .memory import DeviceMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
-from .sources import HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
+from .sources import DeviceOriginals, HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class ServiceConfig:
             existing directory must belong to this user and already be private.
         store_root: segment store root for originals not in host RAM (``None``: host tier only).
         host_budget_bytes: bytes of originals the host tier may hold.
+        device_budget_bytes: bytes of device copies of originals kept per GPU (0: upload the
+            originals for every restore instead).
         max_body_bytes: the largest binary body a message may carry.
         frame_timeout_s: once a frame has begun, each read must progress within this time.
         max_connections: connections beyond this are refused.
@@ -69,6 +79,7 @@ class ServiceConfig:
     socket_path: str
     store_root: str | None = None
     host_budget_bytes: int = 1 << 30
+    device_budget_bytes: int = 1 << 30
     max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES
     frame_timeout_s: float = 10.0
     max_connections: int = 256
@@ -80,22 +91,37 @@ class ServiceConfig:
 
 # ---------------------------------------------------------------------------------- completions
 class CudaEventCompletion(Completion):
-    """The copy's CUDA event. A timed wait polls ``query`` (CUDA events have no timed wait)."""
+    """The copy's CUDA event, created with blocking synchronisation (a waiting thread sleeps).
 
-    def __init__(self, event: torch.cuda.Event):
+    A wait first polls the event for up to ``spin_s`` while ``spin_while()`` holds: a lone request's
+    copy finishes within microseconds, sooner than a blocking wait wakes up; with other requests in
+    flight, polling would take the CPU from them. Then an untimed wait blocks on the event and a
+    timed one polls ``query`` at growing intervals (CUDA events have no timed wait).
+    """
+
+    def __init__(self, event: torch.cuda.Event, *, spin_s: float = 0.0, spin_while=None):
         self._event = event
+        self._spin_s = spin_s
+        self._spin_while = spin_while
 
     def wait(self, timeout: float | None) -> bool:
+        start = time.monotonic()
+        spin = self._spin_s if timeout is None else min(self._spin_s, timeout)
+        if spin > 0:
+            while time.monotonic() - start < spin and (self._spin_while is None or self._spin_while()):
+                if self._event.query():
+                    return True
         if timeout is None:
             self._event.synchronize()
             return True
-        deadline = time.monotonic() + timeout
-        pause = 1e-4
+        deadline = start + timeout
+        pause = 2e-5
         while not self._event.query():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1e-3)
         return True
 
 
@@ -180,6 +206,7 @@ class _Service:
         self.cuda = torch.cuda.is_available()
         store = StoreSource(config.store_root) if config.store_root else None
         self.sources = TieredSource(HostOriginals(config.host_budget_bytes, pin=self.cuda), store)
+        self.device_originals = DeviceOriginals(config.device_budget_bytes)
         self.device_mappings = DeviceMappings()
         self.registry = Registry(self._release_memory)
         self._stop = threading.Event()
@@ -189,6 +216,10 @@ class _Service:
         self._lock = threading.Lock()
         self._saving: set[str] = set()
         self._counters = {"requests": 0, "errors": 0, "internal_errors": 0, "refused_peers": 0}
+        self._inflight = 0  # requests being handled now (under _lock)
+        # conn id -> {reg id: (IPC handle bytes, the client's event opened here)}; each connection's
+        # thread alone reads and fills its own entry
+        self._conn_events: dict[int, dict] = {}
         self._listener: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -243,6 +274,7 @@ class _Service:
                 too_many = len(self._conns) >= self.config.max_connections
                 if not too_many:
                     self._conns[conn_id] = conn
+                    self._conn_events[conn_id] = {}
                     self._threads = [x for x in self._threads if x.is_alive()]
                     self._threads.append(t)
             if too_many:
@@ -299,6 +331,7 @@ class _Service:
         finally:
             with self._lock:
                 self._conns.pop(conn_id, None)
+                self._conn_events.pop(conn_id, None)  # ops that waited on one keep it in their keepalive
             conn.close()
             self.registry.connection_closed(conn_id)
 
@@ -316,13 +349,22 @@ class _Service:
     def _dispatch(self, msg: protocol.Message, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
         h = msg.header
         rid = h.get("id") if isinstance(h.get("id"), int) and not isinstance(h.get("id"), bool) else None
-        self._count("requests")
+        with self._lock:
+            self._counters["requests"] += 1
+            self._inflight += 1
+        try:
+            return self._handle(h, msg.body, rid, peer, conn_id)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _handle(self, h: dict, body: bytes, rid, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
         handler = _HANDLERS.get(h.get("op")) if isinstance(h.get("op"), str) else None
         try:
             if handler is None:
                 raise ProtocolError(f"op: unknown operation {h.get('op')!r}")
-            out, body = handler(self, h, msg.body, peer, conn_id)
-            return {"id": rid, "ok": True, **out}, body
+            out, reply_body = handler(self, h, body, peer, conn_id)
+            return {"id": rid, "ok": True, **out}, reply_body
         except KmeshError as exc:
             self._count("errors")
             reply = protocol.error_reply(rid, exc)
@@ -356,7 +398,36 @@ class _Service:
     def _device_of(self, reg) -> torch.device:
         return reg.extra["cache"].device
 
-    def _submit(self, reg, op, h: dict, inject: dict, enqueue, on_drained=None) -> None:
+    def _client_event(self, h: dict, reg, conn_id: int):
+        """The client's interprocess event named by ``wait_event`` (``None`` when absent or for host
+        memory), opened once per connection and registration: the client re-records the same event
+        before each request, and a connection carries one request at a time, so the service's
+        stream wait (made before the reply) always sees the record of this request."""
+        event_hex = protocol.field(h, "wait_event", str, optional=True)
+        if not event_hex or self._device_of(reg).type != "cuda":
+            return None
+        try:
+            raw = bytes.fromhex(event_hex)
+        except ValueError as exc:
+            raise ProtocolError("wait_event: expected hex bytes") from exc
+        if len(raw) != 64:
+            raise ProtocolError(f"wait_event: a CUDA IPC event handle has 64 bytes, got {len(raw)}")
+        events = self._conn_events.get(conn_id)
+        entry = None if events is None else events.get(reg.reg_id)
+        if entry is not None and entry[0] == raw:
+            return entry[1]
+        try:
+            event = torch.cuda.Event.from_ipc_handle(self._device_of(reg), raw)
+        except RuntimeError as exc:
+            raise ProtocolError(f"wait_event: cannot open the CUDA IPC event handle: {exc}") from exc
+        if events is not None:
+            events[reg.reg_id] = (raw, event)
+        return event
+
+    def _others_in_flight(self) -> bool:
+        return self._inflight > 1
+
+    def _submit(self, reg, op, inject: dict, enqueue, *, client_event=None, on_drained=None) -> None:
         """Run ``enqueue(keepalive)`` on the registration's stream and record what was submitted.
 
         Whatever ``enqueue`` managed to queue is covered by the completion recorded afterwards, also
@@ -370,10 +441,8 @@ class _Service:
             stream = reg.extra["stream"]
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 try:
-                    event_hex = protocol.field(h, "wait_event", str, optional=True)
-                    if event_hex:
+                    if client_event is not None:
                         # The client's earlier writes/reads of these blocks come first.
-                        client_event = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(event_hex))
                         stream.wait_event(client_event)
                         keepalive.append(client_event)
                     if inject.get("spin_cycles"):
@@ -384,9 +453,11 @@ class _Service:
                 except BaseException as exc:
                     error = exc
                 finally:
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event(blocking=True)
                     done.record(stream)
-                    completion = CudaEventCompletion(done)
+                    lone = not self._others_in_flight()
+                    completion = CudaEventCompletion(done, spin_s=5e-4 if lone else 0.0,
+                                                     spin_while=lambda: not self._others_in_flight())
         else:
             try:
                 enqueue(keepalive)
@@ -426,7 +497,8 @@ class _Service:
                "protocol_version": protocol.VERSION, "uptime_s": round(time.time() - self.started, 3),
                "socket": self.config.socket_path, "cuda": self.cuda, "connections": connections,
                "fault_injection": self.config.allow_fault_injection, "counters": counters,
-               "sources": self.sources.stats(), "open_ipc_mappings": len(self.device_mappings), **snap}
+               "sources": {**self.sources.stats(), **self.device_originals.stats()},
+               "open_ipc_mappings": len(self.device_mappings), **snap}
         if self.cuda and torch.cuda.is_initialized():
             out["device_memory_allocated"] = torch.cuda.memory_allocated()
         return out, b""
@@ -457,6 +529,7 @@ class _Service:
         key = protocol.field(h, "key", str)
         if self.registry.source_held(key):
             raise OwnershipError(f"key {key!r}: held by a pending operation until its copy has drained")
+        self.device_originals.drop(key)
         return {"key": key, "evicted": self.sources.delete(key)}, b""
 
     def op_register(self, h, body, peer, conn_id):
@@ -503,49 +576,71 @@ class _Service:
         items = protocol.field(h, "items", list)
         if not items:
             raise ProtocolError("items: expected at least one restore item")
+        tensors = protocol.field(h, "tensors", dict)
+        all_slots = protocol.unpack_int64(tensors, body, "slots")
+        all_new = protocol.unpack_int64(tensors, body, "new_positions", optional=True)
         rope = reg.extra["rope"]
         layout = reg.layout
         L, _, H, _, D = layout.sizes
-        parsed, all_slots = [], []
         fingerprint = protocol.field(h, "model_fingerprint", dict, optional=True)
+        parsed, n_slots, n_new = [], 0, 0
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise ProtocolError(f"items[{i}]: expected an object")
             key = protocol.field(item, "key", str)
-            slots = protocol.int_list(item, "slots")
-            new_pos = protocol.int_list(item, "new_positions", optional=True)
+            count = protocol.field(item, "slots", int)
+            shift = protocol.field(item, "new_positions", int, optional=True)
             seg = self.sources.get(key, model_fingerprint=fingerprint)
             T = seg.kv.shape[2]
             if tuple(seg.kv.shape) != (2, L, T, H, D) or seg.kv.dtype != layout.dtype:
                 raise LayoutError(f"items[{i}]: original {key!r} is {tuple(seg.kv.shape)} {seg.kv.dtype}, the "
                                   f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
-            if len(slots) != T:
-                raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {len(slots)}")
-            if new_pos is not None:
+            if count != T:
+                raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {count}")
+            if shift is not None:
                 if rope is None:
                     raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
-                if len(new_pos) != T:
-                    raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {len(new_pos)}")
-                bad = [p for p in new_pos if not 0 <= p < rope.num_positions]
-                if bad:
-                    raise LayoutError(f"items[{i}].new_positions: {bad[0]} outside [0, {rope.num_positions})")
-            parsed.append((key, seg, slots, new_pos))
-            all_slots.extend(slots)
+                if shift != T:
+                    raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {shift}")
+            parsed.append((key, seg, n_slots, None if shift is None else n_new))
+            n_slots += T
+            n_new += shift or 0
+        have_new = 0 if all_new is None else all_new.shape[0]
+        if all_slots.shape[0] != n_slots or have_new != n_new:
+            raise ProtocolError(f"tensors: the items count {n_slots} slots and {n_new} new positions, the request "
+                                f"carries {all_slots.shape[0]} and {have_new}")
+        if n_new:
+            pos = all_new.numpy()
+            bad = np.flatnonzero((pos < 0) | (pos >= rope.num_positions))
+            if bad.size:
+                j = int(bad[0])
+                i = next(i for i, p in enumerate(parsed) if p[3] is not None and p[3] <= j < p[3] + p[1].kv.shape[2])
+                raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {rope.num_positions})")
         blocks = self.registry.blocks_of_slots(reg, all_slots, name="items[*].slots")
+        client_event = self._client_event(h, reg, conn_id)
         op = self.registry.begin(reg, "restore", blocks, [p[0] for p in parsed])
         cache = reg.extra["cache"]
 
         def enqueue(keepalive):
             device = cache.device
             groups = {True: ([], [], [], []), False: ([], [], [], [])}
-            for key, seg, slots, new_pos in parsed:
-                kv = seg.kv.to(device, non_blocking=True) if device.type == "cuda" else seg.kv
-                keepalive.append(kv)
-                g = groups[new_pos is not None]
+            for key, seg, s0, p0 in parsed:
+                T = seg.kv.shape[2]
+                if device.type == "cuda":
+                    copy = self.device_originals.get(key, seg, device)
+                    if copy is None:  # over the device budget: upload for this request only
+                        kv = seg.kv.to(device, non_blocking=True)
+                    else:
+                        reg.extra["stream"].wait_event(copy.ready)
+                        kv = copy.kv
+                    keepalive.append(kv)
+                else:
+                    kv = seg.kv
+                g = groups[p0 is not None]
                 g[0].append(kv)
-                g[1].append(torch.tensor(slots, dtype=torch.int64))
+                g[1].append(all_slots[s0:s0 + T])
                 g[2].append(seg.positions)
-                g[3].append(torch.tensor(new_pos, dtype=torch.int64) if new_pos is not None else None)
+                g[3].append(None if p0 is None else all_new[p0:p0 + T])
             for shifted, (kvs, slot_ts, old, new) in groups.items():
                 if not kvs:
                     continue
@@ -555,7 +650,7 @@ class _Service:
                 else:
                     place_many(kvs, cache, layout, slot_ts, backend=self.config.backend)
 
-        self._submit(reg, op, h, inject, enqueue)
+        self._submit(reg, op, inject, enqueue, client_event=client_event)
         return self._finish(op, h), b""
 
     def op_save(self, h, body, peer, conn_id):
@@ -564,15 +659,17 @@ class _Service:
         reg = self._authorize(h, peer)
         inject = self._inject(h)
         key = protocol.field(h, "key", str)
-        slots = protocol.int_list(h, "slots")
-        positions = torch.tensor(protocol.int_list(h, "positions"), dtype=torch.int64)
-        token_list = protocol.int_list(h, "token_ids", optional=True)
-        token_ids = None if token_list is None else torch.tensor(token_list, dtype=torch.int64)
-        if -1 in slots:
+        tensors = protocol.field(h, "tensors", dict)
+        slot_t = protocol.unpack_int64(tensors, body, "slots")
+        positions = protocol.unpack_int64(tensors, body, "positions")
+        token_ids = protocol.unpack_int64(tensors, body, "token_ids", optional=True)
+        n = slot_t.shape[0]
+        if bool((slot_t == -1).any()):
             raise LayoutError("slots: a save reads real slots only (-1 is not allowed)")
-        if positions.shape[0] != len(slots) or (token_ids is not None and token_ids.shape[0] != len(slots)):
-            raise LayoutError(f"positions/token_ids: expected {len(slots)} entries (one per slot)")
-        blocks = self.registry.blocks_of_slots(reg, slots)
+        if positions.shape[0] != n or (token_ids is not None and token_ids.shape[0] != n):
+            raise LayoutError(f"positions/token_ids: expected {n} entries (one per slot)")
+        blocks = self.registry.blocks_of_slots(reg, slot_t)
+        client_event = self._client_event(h, reg, conn_id)
         with self._lock:
             if key in self._saving or self.sources.host.contains(key):
                 raise OwnershipError(f"key {key!r}: already present or being saved; originals are immutable")
@@ -587,7 +684,6 @@ class _Service:
         host_box: list = []
 
         def enqueue(keepalive):
-            slot_t = torch.tensor(slots, dtype=torch.int64)
             kv = gather(cache, layout, slot_t, backend=self.config.backend)
             if cache.device.type == "cuda":
                 host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
@@ -607,7 +703,7 @@ class _Service:
                 with self._lock:
                     self._saving.discard(key)
 
-        self._submit(reg, op, h, inject, enqueue, on_drained=publish)
+        self._submit(reg, op, inject, enqueue, client_event=client_event, on_drained=publish)
         return self._finish(op, h), b""
 
     def op_cancel(self, h, body, peer, conn_id):
@@ -632,6 +728,9 @@ class _Service:
     def op_close(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer, for_new_work=False)
         self.registry.close(reg)
+        events = self._conn_events.get(conn_id)
+        if events is not None:
+            events.pop(reg.reg_id, None)
         timeout = protocol.field(h, "timeout", (int, float), optional=True)
         try:
             self.registry.drain(self.registry.pending_ops(reg), timeout)

@@ -3,11 +3,14 @@
 The contract is :class:`SourceProvider`; the service holds one :class:`TieredSource`: the
 host-RAM tier (:class:`HostOriginals`) first, then, when a store root is configured, the segment store
 (:class:`StoreSource`), whose hits are retained in the host tier for later children.
+:class:`DeviceOriginals` keeps device copies of originals that restores have used, so a restore
+into GPU memory does not upload its originals again.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -183,3 +186,84 @@ class TieredSource(SourceProvider):
         if self.store is not None:
             out.update(self.store.stats())
         return out
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A device copy of one host original. ``ready``: CUDA event after its upload (streams that read
+    ``kv`` wait on it). ``source``: the host segment it was copied from."""
+
+    kv: torch.Tensor
+    ready: object  # torch.cuda.Event
+    source: SourceSegment
+
+
+class DeviceOriginals:
+    """Device copies of shared originals, made on a restore's first use, up to ``budget_bytes`` per device.
+
+    Called by the cache service's restore handler (any thread): ``get(key, segment, device)``
+    returns the :class:`DeviceCopy` (uploading it on this tier's stream first if needed) or
+    ``None`` when it cannot fit (the caller then uploads for the one request). ``drop(key)`` is
+    called by ``evict`` once no pending operation holds the key. An entry is valid only for the
+    host segment object it was copied from, so a key evicted and published again is never served
+    stale. Least recently used copies make room for new ones.
+
+    Ownership: dropping an entry drops this tier's reference only. An operation that reads the copy
+    holds it in its keepalive until its drain (physical completion), so the memory returns to
+    torch's allocator only after every copy out of it has finished. ``stats()`` counts the bytes
+    this tier holds.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = int(budget_bytes)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, int], DeviceCopy] = OrderedDict()
+        self._bytes: dict[int, int] = {}
+        self._streams: dict[int, object] = {}
+
+    def get(self, key: str, segment: SourceSegment, device: torch.device) -> DeviceCopy | None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        nbytes = segment.nbytes
+        with self._lock:
+            entry = self._entries.get((key, index))
+            if entry is not None and entry.source is segment:
+                self._entries.move_to_end((key, index))
+                return entry
+            if entry is not None:
+                self._remove((key, index))
+            if nbytes > self.budget_bytes:
+                return None
+            for k in [k for k in self._entries if k[1] == index]:  # least recently used first
+                if self._bytes.get(index, 0) + nbytes <= self.budget_bytes:
+                    break
+                self._remove(k)
+            # Upload under the lock: concurrent first uses of one key upload it once. Submitting an
+            # asynchronous copy from pinned memory takes microseconds; nobody waits for it here.
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+            with torch.cuda.device(index), torch.cuda.stream(stream):
+                kv = segment.kv.to(torch.device("cuda", index), non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            entry = DeviceCopy(kv, ready, segment)
+            self._entries[(key, index)] = entry
+            self._bytes[index] = self._bytes.get(index, 0) + nbytes
+            return entry
+
+    def _remove(self, k: tuple[str, int]) -> None:
+        entry = self._entries.pop(k)
+        self._bytes[k[1]] -= entry.source.nbytes
+
+    def drop(self, key: str) -> int:
+        """Forget every device copy of ``key``; returns how many there were."""
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == key]
+            for k in keys:
+                self._remove(k)
+            return len(keys)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"device_keys": len(self._entries), "device_bytes": sum(self._bytes.values()),
+                    "device_budget_bytes": self.budget_bytes}

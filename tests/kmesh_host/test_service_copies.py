@@ -3,7 +3,9 @@
 Host -> device (restore) and device -> host (save), each: success; an error whose pending work can
 be completed (drained, never resubmitted); an error whose first wait is refused (source and
 destination stay held until a later wait succeeds). The same bodies run over CPU shared memory here
-and, with ``-m gpu``, over CUDA IPC with real asynchronous copies.
+and, with ``-m gpu``, over CUDA IPC with real asynchronous copies. GPU only: every request waits for
+the client's earlier work although the service opens the client's event once, and the service's
+device copy of an original follows an evict and a new publication of its key.
 """
 
 from __future__ import annotations
@@ -214,3 +216,60 @@ def test_cancelled_destination_not_handed_out_before_copy_finished(client, servi
     assert bool((words[:, BLOCKS] == canary).all())
     assert client.close_registration(reg, timeout=60) is True
     client.evict(key)
+
+
+@pytest.mark.gpu
+def test_every_request_waits_for_the_clients_earlier_work(client):
+    """The service opens a connection's interprocess event once and the client re-records it before
+    each request: every restore must still land after the work the client queued before it (a slow
+    fill of the whole cache, queued behind a spin kernel; a restore that did not wait would be
+    overwritten by it)."""
+    layout = small_layout()
+    cache = layout.allocate("cuda", fill=POISON)
+    reg = client.register(cache, layout, rope=small_rope())
+    key = f"order-{os.getpid()}"
+    kv = torch.randn(2, 2, len(SLOTS), 2, 8).to(torch.bfloat16)
+    pos = torch.arange(len(SLOTS), dtype=torch.int64)
+    client.put(key, kv, pos)
+    new = [200 + i for i in range(len(SLOTS))]
+    try:
+        for round_ in range(3):
+            fill = 0x11 * (round_ + 1)
+            ref = layout.allocate("cuda", fill=fill)
+            place_many([kv.cuda()], ref, layout, [torch.tensor(SLOTS)], rope=small_rope(), old_positions=[pos],
+                       new_positions=[torch.tensor(new)])
+            torch.cuda._sleep(300_000_000)  # ~0.1-0.2 s ahead of the fill on the client's stream
+            cache.view(torch.uint8).fill_(fill)
+            client.restore(reg, [(key, SLOTS, new)])
+            torch.cuda.synchronize()
+            assert torch.equal(_bits(cache), _bits(ref)), f"round {round_}: the restore did not wait for the fill"
+    finally:
+        torch.cuda.synchronize()
+        assert client.close_registration(reg, timeout=60) is True
+        client.evict(key)
+
+
+@pytest.mark.gpu
+def test_device_copy_of_an_original_follows_evict_and_republish(client):
+    """The service restores from device copies of originals; evicting a key drops its copy, so the
+    same key published again with other contents is restored from the new contents."""
+    layout = small_layout()
+    cache = layout.allocate("cuda", fill=POISON)
+    reg = client.register(cache, layout)
+    key = f"republish-{os.getpid()}"
+    pos = torch.arange(len(SLOTS), dtype=torch.int64)
+    try:
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            kv = torch.randn(2, 2, len(SLOTS), 2, 8, generator=g).to(torch.bfloat16)
+            client.put(key, kv, pos)
+            ref = layout.allocate("cuda", fill=POISON)
+            place_many([kv.cuda()], ref, layout, [torch.tensor(SLOTS)])
+            client.restore(reg, [(key, SLOTS)])
+            client.restore(reg, [(key, SLOTS)])  # the second restore reads the device copy
+            torch.cuda.synchronize()
+            assert torch.equal(_bits(cache), _bits(ref))
+            assert client.status()["sources"]["device_keys"] >= 1
+            assert client.evict(key) is True
+    finally:
+        assert client.close_registration(reg, timeout=60) is True

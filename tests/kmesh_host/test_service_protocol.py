@@ -38,13 +38,14 @@ def test_roundtrip_with_body():
 
 
 @pytest.mark.parametrize("prefix, match", [
-    (struct.pack("<4sHHII", b"XXXX", 1, 0, 2, 0), "magic"),
-    (struct.pack("<4sHHII", b"KMSH", 2, 0, 2, 0), "version"),
-    (struct.pack("<4sHHII", b"KMSH", 1, 1, 2, 0), "flags"),
-    (struct.pack("<4sHHII", b"KMSH", 1, 0, 0xFFFFFFFF, 0), "header length"),
-    (struct.pack("<4sHHII", b"KMSH", 1, 0, 0, 0), "header length"),
-    (struct.pack("<4sHHII", b"KMSH", 1, 0, 2, 0xFFFFFFFF), "body length"),
-], ids=["magic", "version", "flags", "absurd-header", "empty-header", "absurd-body"])
+    (struct.pack("<4sHHII", b"XXXX", protocol.VERSION, 0, 2, 0), "magic"),
+    (struct.pack("<4sHHII", b"KMSH", protocol.VERSION + 1, 0, 2, 0), "version"),
+    (struct.pack("<4sHHII", b"KMSH", 1, 0, 2, 0), "version"),
+    (struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 1, 2, 0), "flags"),
+    (struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 0, 0xFFFFFFFF, 0), "header length"),
+    (struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 0, 0, 0), "header length"),
+    (struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 0, 2, 0xFFFFFFFF), "body length"),
+], ids=["magic", "version", "old-version", "flags", "absurd-header", "empty-header", "absurd-body"])
 def test_bad_prefix_is_fatal(prefix, match):
     a, b = _pair()
     with a, b:
@@ -57,7 +58,7 @@ def test_bad_prefix_is_fatal(prefix, match):
 def test_bad_header_keeps_the_frame_boundary(raw):
     a, b = _pair()
     with a, b:
-        a.sendall(struct.pack("<4sHHII", b"KMSH", 1, 0, len(raw), 0) + raw)
+        a.sendall(struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 0, len(raw), 0) + raw)
         protocol.send_message(a, {"op": "ok"})
         with pytest.raises(ProtocolError) as info:
             protocol.read_message(b)
@@ -175,7 +176,7 @@ def test_random_bytes(service):
         with s:
             blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 256)))
             if i % 3 == 0:  # garbage after a valid magic and version reaches the length checks
-                blob = b"KMSH\x01\x00" + blob
+                blob = b"KMSH" + struct.pack("<H", protocol.VERSION) + blob
             s.sendall(blob)
             s.shutdown(socket.SHUT_WR)
             _reply_or_closed(s)
@@ -187,7 +188,7 @@ def test_random_bytes(service):
                          ids=["header-4G", "body-4G", "body-over-limit", "header-over-limit"])
 def test_absurd_lengths_get_an_error_and_close(service, header_len, body_len):
     with _raw(service) as s:
-        s.sendall(struct.pack("<4sHHII", b"KMSH", 1, 0, header_len, body_len))
+        s.sendall(struct.pack("<4sHHII", b"KMSH", protocol.VERSION, 0, header_len, body_len))
         msg = _reply_or_closed(s)
         assert msg is not None and msg.header["error"]["code"] == "protocol"
         assert _reply_or_closed(s) is None  # then the service closes the connection
