@@ -189,8 +189,10 @@ def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old
         which = np.repeat(np.asarray(item_cache, dtype=np.int64), counts)
         key = (which * S + all_slots)[valid]
         bins = (max(item_cache) + 1) * S
-        if bins <= max(1 << 22, 8 * key.size):
-            dup = key.size > 0 and int(np.bincount(key, minlength=bins).max()) > 1
+        if bins <= max(1 << 24, 16 * key.size):  # a byte map: O(T) writes, one O(bins) count
+            seen = np.zeros(bins, dtype=np.uint8)
+            seen[key] = 1
+            dup = int(np.count_nonzero(seen)) != key.size
         else:
             srt = np.sort(key)
             dup = bool((srt[1:] == srt[:-1]).any())
@@ -332,7 +334,10 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     t_in_item = np.arange(total, dtype=np.int64) - small["item_tok_start"][:-1][tok_item]
     row = layout.num_kv_heads * layout.head_size * itemsize
     N = layout.block_size
-    blk, pos = slots // N, slots % N
+    if N & (N - 1) == 0:  # block sizes are powers of two in practice: shifts instead of divisions
+        blk, pos = slots >> (N.bit_length() - 1), slots & (N - 1)
+    else:
+        blk, pos = slots // N, slots % N
     if rope is not None:
         old = np.concatenate([it.old for it in items]) if len(items) > 1 else items[0].old
         new = np.concatenate([it.new for it in items]) if len(items) > 1 else items[0].new
@@ -340,7 +345,10 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
         old = new = slots
     # one host buffer, one transfer: the small tables, then the per-token rows (see TokRow in place.cu)
     n_small = sum(a.size for a in small.values())
-    packed = np.empty(n_small + 9 * total, dtype=np.int64)
+    # pinned when the launch is on a GPU, so the upload is asynchronous and at full bandwidth
+    # (torch's caching host allocator keeps the buffer until the copy has finished)
+    host = torch.empty(n_small + 9 * total, dtype=torch.int64, pin_memory=device.type == "cuda")
+    packed = host.numpy()
     np.concatenate(list(small.values()), out=packed[:n_small])
     tok = packed[n_small:].reshape(9, total)
     tok[0] = slots
@@ -350,7 +358,7 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     tok[4] = layout.v_offset + blk * vt[1] + pos * vt[3]
     tok[5] = small["item_cache"][tok_item] * L
     tok[6], tok[7], tok[8] = old, new, tok_item
-    dev_packed = torch.from_numpy(packed).to(device)
+    dev_packed = host.to(device, non_blocking=True)
     out, p0 = {}, 0
     for name, t in small.items():
         out[name] = dev_packed[p0:p0 + t.size]
@@ -410,11 +418,11 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     common = (cupy.int32(int(gather)), cupy.int32(int(rope is not None)), cupy.int32(neox), cupy.int32(rd))
     tail = (p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]))
     with cupy.cuda.Device(dev_id), stream:
-        if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.y = (K|V, layer)
+        if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.x = (K|V, layer)
             chunks = H * D // 8
             lanes = min(-(-chunks // _VEC_PER), 256)
             rows_per_block = max(1, 256 // lanes)
-            grid = (min(-(-total // rows_per_block), 65535), 2 * L)
+            grid = (2 * L, min(-(-total // rows_per_block), 65535))
             kernel(grid, (lanes, rows_per_block), (
                 p(tables["tok"]), p(tables["layer_base"]), cupy.int64(L), cupy.int64(H), cupy.int64(D),
                 cupy.int64(total), cupy.int64(layout.k_strides[2]), cupy.int64(layout.v_strides[2])) + common + tail)

@@ -121,10 +121,12 @@ __global__ void kmesh_place_vec(
     int gather, int rope, int neox, int rd,
     const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
 {
-    // grid.y = kvsel * L + l; threadIdx.y picks a token; each lane moves PER chunks of 8 elements,
-    // issuing all loads before any store so that several memory requests are in flight per thread.
+    // grid.x = kvsel * L + l (the fast grid axis, so the blocks of one token group run close together
+    // and share its table rows and cos/sin rows in L2); grid.y strides over token groups;
+    // threadIdx.y picks a token. Each lane moves PER chunks of 8 elements, issuing all loads before
+    // any store so that several memory requests are in flight per thread.
     typedef typename Vec4<T>::type V4;
-    const int lk = blockIdx.y, Li = (int)L;
+    const int lk = blockIdx.x, Li = (int)L;
     const int kvsel = lk >= Li ? 1 : 0;
     const int l = lk - kvsel * Li;
     const int Di = (int)D, chunks_per_head = Di >> 3, chunks = (int)H * chunks_per_head;
@@ -133,8 +135,8 @@ __global__ void kmesh_place_vec(
     const int half = rd >> 1, rot_chunks = rd >> 3;
     const float scale = k_scale[l];
     const long long* slot_row = tok + TOK_SLOT * T_total;
-    for (long long g = (long long)blockIdx.x * blockDim.y + threadIdx.y; g < T_total;
-         g += (long long)gridDim.x * blockDim.y) {
+    for (long long g = (long long)blockIdx.y * blockDim.y + threadIdx.y; g < T_total;
+         g += (long long)gridDim.y * blockDim.y) {
         if (slot_row[g] < 0) continue;
         T* src = reinterpret_cast<T*>(tok[TOK_SRC * T_total + g] + lk * tok[TOK_SRC_STEP * T_total + g]);
         T* dst = reinterpret_cast<T*>(layer_base[tok[TOK_CACHE * T_total + g] + l])

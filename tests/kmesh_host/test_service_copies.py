@@ -235,7 +235,8 @@ def test_every_request_waits_for_the_clients_earlier_work(client):
     try:
         for round_ in range(3):
             fill = 0x11 * (round_ + 1)
-            ref = layout.allocate("cuda", fill=fill)
+            ref = layout.allocate("cuda")
+            ref.view(torch.uint8).fill_(fill)  # the same byte pattern the cache is filled with below
             place_many([kv.cuda()], ref, layout, [torch.tensor(SLOTS)], rope=small_rope(), old_positions=[pos],
                        new_positions=[torch.tensor(new)])
             torch.cuda._sleep(300_000_000)  # ~0.1-0.2 s ahead of the fill on the client's stream
