@@ -212,8 +212,9 @@ class _Placement:
     """One ``place_many`` launch for all objects, prepared while their bytes are still moving.
 
     Preparation (validation of slots and positions, launch tables) needs the objects' device
-    addresses, not their bytes. It runs on the work stream and reads one validation flag back from
-    it, so it must come before any digest is queued there; :meth:`run` then only launches.
+    addresses, not their bytes; it works on host copies of the indices (slot mappings from a
+    scheduler are host tensors; CUDA ones are read back once) and queues one table upload on the
+    work stream, before any digest is queued there. :meth:`run` then only launches.
     """
 
     def __init__(self, kvs, targets, headers, *, cache, layout, rope, k_scale, backend, streams: _Streams):
@@ -222,10 +223,9 @@ class _Placement:
         old = new = None
         if rope is not None:
             new = [t.new_positions for t in targets]
-            # Stored positions go where the slots live (kmesh_gpu validates indices there).
-            where = slots[0].device if isinstance(slots[0], torch.Tensor) else torch.device("cpu")
+            # the stored positions stay on the host: placement checks and tabulates indices there
             flat = torch.from_numpy(np.concatenate([h.positions for h in headers]).astype(np.int64))
-            old = list(torch.split(_pinned_upload(flat, where, streams), [h.num_tokens for h in headers]))
+            old = list(torch.split(flat, [h.num_tokens for h in headers]))
         with streams.on_work():
             self.launch = prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=old,
                                              new_positions=new, k_scale=k_scale, backend=backend)

@@ -202,8 +202,9 @@ class Workload:
             ts = []
             for i in range(args.objects):
                 start = c * per_child + i * args.tokens
-                slots = torch.arange(start, start + args.tokens, dtype=torch.int64, device=device)
-                new = torch.arange(args.tokens, dtype=torch.int64, device=device) + prefix + i * (args.tokens + 5)
+                # slot mappings and positions as a scheduler holds them: host tensors
+                slots = torch.arange(start, start + args.tokens, dtype=torch.int64)
+                new = torch.arange(args.tokens, dtype=torch.int64) + prefix + i * (args.tokens + 5)
                 ts.append(RestoreTarget(self.keys[i], slots if args.place else None, new))
             self.targets.append(ts)
 
