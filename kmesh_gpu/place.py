@@ -286,7 +286,8 @@ def _torch_run(items, cache_views, layout, rope, scale, *, gather: bool) -> None
 
 
 # ---------------------------------------------------------------------------------- kernel tables
-_VEC_PER = 4  # chunks of 8 elements per lane in kmesh_place_vec
+_VEC_PER = 2  # chunks of 8 elements per lane in kmesh_place_vec
+_VEC_LPT = 4  # layers per lane in kmesh_place_vec
 
 
 def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.device) -> dict:
@@ -401,8 +402,8 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     vec = tables["vec4"]
     ctype = _CUDA_TYPES[layout.storage_dtype]
     names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
-        tuple(f"kmesh_place_vec<{t}, {_VEC_PER}>" for t in _CUDA_TYPES.values())
-    kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}>" if vec else f"kmesh_place<{ctype}>"
+        tuple(f"kmesh_place_vec<{t}, {_VEC_PER}, {_VEC_LPT}>" for t in _CUDA_TYPES.values())
+    kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}, {_VEC_LPT}>" if vec else f"kmesh_place<{ctype}>"
     kernel = get_kernel("place.cu", kname, device_id=dev_id, name_expressions=names)
     L, _, H, N, D = layout.sizes
     total = tables["total"]
@@ -422,7 +423,7 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
             chunks = H * D // 8
             lanes = min(-(-chunks // _VEC_PER), 256)
             rows_per_block = max(1, 256 // lanes)
-            grid = (2 * L, min(-(-total // rows_per_block), 65535))
+            grid = (2 * (-(-L // _VEC_LPT)), min(-(-total // rows_per_block), 65535))
             kernel(grid, (lanes, rows_per_block), (
                 p(tables["tok"]), p(tables["layer_base"]), cupy.int64(L), cupy.int64(H), cupy.int64(D),
                 cupy.int64(total), cupy.int64(layout.k_strides[2]), cupy.int64(layout.v_strides[2])) + common + tail)

@@ -184,11 +184,22 @@ class _TreePlan:
     buffer are absolute (from its start); level 0 reads the payload (``from_data``).
     """
 
-    __slots__ = ("levels", "root", "host_bytes", "total_bytes")
+    __slots__ = ("levels", "root", "host_bytes", "total_bytes", "_on_device")
 
     def __init__(self, levels, root, host_bytes, total_bytes):
         self.levels, self.root = levels, root
         self.host_bytes, self.total_bytes = host_bytes, total_bytes
+        self._on_device: dict[str, torch.Tensor] = {}
+
+    def device_bytes(self, device: torch.device) -> torch.Tensor:
+        """The constant front of the buffer (table, root records), uploaded once per device: a call
+        then starts with a device-to-device copy instead of a pinned host upload."""
+        key = str(device)
+        t = self._on_device.get(key)
+        if t is None:
+            t = torch.from_numpy(self.host_bytes.copy()).to(device)
+            self._on_device[key] = t
+        return t
 
 
 def _align(n: int, a: int) -> int:
@@ -333,7 +344,8 @@ def _cupy_batched(t, offs, lens, out, kernel_name="kmesh_sha256_batched") -> Non
 
 def _cupy_tree(t, plan: _TreePlan, out) -> None:
     buf = torch.empty(plan.total_bytes, dtype=torch.uint8, device=t.device)
-    _upload(plan.host_bytes, buf)
+    front = plan.device_bytes(t.device)
+    buf[:front.numel()].copy_(front)
     launch = _CupyLauncher(t.device)
     data = _nonempty(t)
     for lvl in plan.levels:

@@ -113,7 +113,7 @@ template <> struct Vec4<unsigned char> { typedef unsigned int type; };
 // Per-token table rows (int64, each T_total long) read by kmesh_place_vec.
 enum TokRow { TOK_SLOT = 0, TOK_SRC, TOK_SRC_STEP, TOK_DST_K, TOK_DST_V, TOK_CACHE, TOK_OLD, TOK_NEW, TOK_ROWS };
 
-template <typename T, int PER>
+template <typename T, int PER, int LPT>
 __global__ void kmesh_place_vec(
     const long long* __restrict__ tok,                   // [TOK_ROWS, T_total] (see TokRow)
     const unsigned long long* __restrict__ layer_base,   // [n_caches * L] byte address of layer l of cache c
@@ -121,34 +121,36 @@ __global__ void kmesh_place_vec(
     int gather, int rope, int neox, int rd,
     const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
 {
-    // grid.x = kvsel * L + l (the fast grid axis, so the blocks of one token group run close together
-    // and share its table rows and cos/sin rows in L2); grid.y strides over token groups;
-    // threadIdx.y picks a token. Each lane moves PER chunks of 8 elements, issuing all loads before
-    // any store so that several memory requests are in flight per thread.
+    // grid.x = (K|V, group of LPT layers), the fast grid axis, so the blocks of one token group run
+    // close together and share its table rows and cos/sin rows in L2; grid.y strides over token
+    // groups; threadIdx.y picks a token. Each lane moves PER chunks of 8 elements in each of LPT
+    // layers, issuing all LPT*PER loads before any store: the token's table entries are read once
+    // for LPT layers and several memory requests are in flight per thread.
     typedef typename Vec4<T>::type V4;
-    const int lk = blockIdx.x, Li = (int)L;
-    const int kvsel = lk >= Li ? 1 : 0;
-    const int l = lk - kvsel * Li;
+    const int Li = (int)L, groups = (Li + LPT - 1) / LPT;
+    const int kvsel = (int)blockIdx.x >= groups ? 1 : 0;
+    const int l0 = ((int)blockIdx.x - kvsel * groups) * LPT;
     const int Di = (int)D, chunks_per_head = Di >> 3, chunks = (int)H * chunks_per_head;
     const long long s_head = kvsel ? head_v : head_k;
     const bool rotate = rope && !gather && kvsel == 0;
     const int half = rd >> 1, rot_chunks = rd >> 3;
-    const float scale = k_scale[l];
     const long long* slot_row = tok + TOK_SLOT * T_total;
     for (long long g = (long long)blockIdx.y * blockDim.y + threadIdx.y; g < T_total;
          g += (long long)gridDim.y * blockDim.y) {
         if (slot_row[g] < 0) continue;
-        T* src = reinterpret_cast<T*>(tok[TOK_SRC * T_total + g] + lk * tok[TOK_SRC_STEP * T_total + g]);
-        T* dst = reinterpret_cast<T*>(layer_base[tok[TOK_CACHE * T_total + g] + l])
-                 + tok[(kvsel ? TOK_DST_V : TOK_DST_K) * T_total + g];
+        const long long src0 = tok[TOK_SRC * T_total + g], step = tok[TOK_SRC_STEP * T_total + g];
+        const long long dst_off = tok[(kvsel ? TOK_DST_V : TOK_DST_K) * T_total + g];
+        const long long cache_l = tok[TOK_CACHE * T_total + g];
         const float* cs_old = rotate ? cos_sin + tok[TOK_OLD * T_total + g] * rd : cos_sin;
         const float* cs_new = rotate ? cos_sin + tok[TOK_NEW * T_total + g] * rd : cos_sin;
         for (int base = 0; base < chunks; base += PER * blockDim.x) {
-            V4 in0[PER], in1[PER];
+            V4 in0[LPT][PER], in1[LPT][PER];
+            T* srcs[LPT];
+            T* dsts[LPT];
             int e0[PER], e1[PER], hs[PER];
             bool rot[PER], live[PER];
 #pragma unroll
-            for (int k = 0; k < PER; ++k) {  // load phase
+            for (int k = 0; k < PER; ++k) {
                 const int c = base + threadIdx.x + k * blockDim.x;
                 live[k] = c < chunks;
                 const int h = live[k] ? c / chunks_per_head : 0;
@@ -157,49 +159,69 @@ __global__ void kmesh_place_vec(
                 e0[k] = (rot[k] && neox) ? 4 * cc : 8 * cc;
                 e1[k] = (rot[k] && neox) ? 4 * cc + half : 8 * cc + 4;
                 hs[k] = h;
-                if (live[k]) {
-                    const T* from = gather ? dst + h * s_head : src + h * Di;
-                    in0[k] = *reinterpret_cast<const V4*>(from + e0[k]);
-                    in1[k] = *reinterpret_cast<const V4*>(from + e1[k]);
+            }
+#pragma unroll
+            for (int j = 0; j < LPT; ++j) {  // load phase: every layer and chunk of this lane
+                const int l = l0 + j;
+                if (l >= Li) break;
+                srcs[j] = reinterpret_cast<T*>(src0 + (long long)(kvsel * Li + l) * step);
+                dsts[j] = reinterpret_cast<T*>(layer_base[cache_l + l]) + dst_off;
+#pragma unroll
+                for (int k = 0; k < PER; ++k) {
+                    if (!live[k]) continue;
+                    const T* from = gather ? dsts[j] + hs[k] * s_head : srcs[j] + hs[k] * Di;
+                    in0[j][k] = *reinterpret_cast<const V4*>(from + e0[k]);
+                    in1[j][k] = *reinterpret_cast<const V4*>(from + e1[k]);
                 }
             }
 #pragma unroll
-            for (int k = 0; k < PER; ++k) {  // compute + store phase
+            for (int k = 0; k < PER; ++k) {  // compute + store phase, chunk by chunk
                 if (!live[k]) continue;
-                T* to = gather ? src + hs[k] * Di : dst + hs[k] * s_head;
-                if (!rot[k]) {
-                    *reinterpret_cast<V4*>(to + e0[k]) = in0[k];
-                    *reinterpret_cast<V4*>(to + e1[k]) = in1[k];
-                    continue;
+                float cpa[4], spa[4], cqa[4], sqa[4];
+                if (rot[k]) {  // this token's cos/sin for the chunk's 4 pairs: loaded once for all LPT layers
+                    const int i0 = neox ? e0[k] : e0[k] >> 1;  // first pair index of this chunk
+                    const float4 cp = *reinterpret_cast<const float4*>(cs_old + i0);
+                    const float4 sp = *reinterpret_cast<const float4*>(cs_old + half + i0);
+                    const float4 cq = *reinterpret_cast<const float4*>(cs_new + i0);
+                    const float4 sq = *reinterpret_cast<const float4*>(cs_new + half + i0);
+                    cpa[0] = cp.x; cpa[1] = cp.y; cpa[2] = cp.z; cpa[3] = cp.w;
+                    spa[0] = sp.x; spa[1] = sp.y; spa[2] = sp.z; spa[3] = sp.w;
+                    cqa[0] = cq.x; cqa[1] = cq.y; cqa[2] = cq.z; cqa[3] = cq.w;
+                    sqa[0] = sq.x; sqa[1] = sq.y; sqa[2] = sq.z; sqa[3] = sq.w;
                 }
-                const int i0 = neox ? e0[k] : e0[k] >> 1;  // first pair index of this chunk
-                const float4 cp = *reinterpret_cast<const float4*>(cs_old + i0);
-                const float4 sp = *reinterpret_cast<const float4*>(cs_old + half + i0);
-                const float4 cq = *reinterpret_cast<const float4*>(cs_new + i0);
-                const float4 sq = *reinterpret_cast<const float4*>(cs_new + half + i0);
-                const float cpa[4] = {cp.x, cp.y, cp.z, cp.w}, spa[4] = {sp.x, sp.y, sp.z, sp.w};
-                const float cqa[4] = {cq.x, cq.y, cq.z, cq.w}, sqa[4] = {sq.x, sq.y, sq.z, sq.w};
-                const T* x0 = reinterpret_cast<const T*>(&in0[k]);
-                const T* x1 = reinterpret_cast<const T*>(&in1[k]);
-                V4 out0, out1;
-                T* y0 = reinterpret_cast<T*>(&out0);
-                T* y1 = reinterpret_cast<T*>(&out1);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    // neox: pair q = (x0[q], x1[q]); GPT-J: pair q = elements (2q, 2q+1) of x0|x1
-                    const T* pe = neox ? x0 + q : (q < 2 ? x0 + 2 * q : x1 + 2 * (q - 2));
-                    const T* po = neox ? x1 + q : pe + 1;
-                    const float u = Elem<T>::load(pe, fp8_table, scale);
-                    const float v = Elem<T>::load(po, fp8_table, scale);
-                    const float u0 = __fadd_rn(__fmul_rn(u, cpa[q]), __fmul_rn(v, spa[q]));
-                    const float u1 = __fsub_rn(__fmul_rn(v, cpa[q]), __fmul_rn(u, spa[q]));
-                    T* oe = neox ? y0 + q : (q < 2 ? y0 + 2 * q : y1 + 2 * (q - 2));
-                    T* oo = neox ? y1 + q : oe + 1;
-                    Elem<T>::store(oe, __fsub_rn(__fmul_rn(u0, cqa[q]), __fmul_rn(u1, sqa[q])), scale);
-                    Elem<T>::store(oo, __fadd_rn(__fmul_rn(u1, cqa[q]), __fmul_rn(u0, sqa[q])), scale);
+                for (int j = 0; j < LPT; ++j) {
+                    const int l = l0 + j;
+                    if (l >= Li) break;
+                    T* to = gather ? srcs[j] + hs[k] * Di : dsts[j] + hs[k] * s_head;
+                    if (!rot[k]) {
+                        *reinterpret_cast<V4*>(to + e0[k]) = in0[j][k];
+                        *reinterpret_cast<V4*>(to + e1[k]) = in1[j][k];
+                        continue;
+                    }
+                    const float scale = k_scale[l];
+                    const T* x0 = reinterpret_cast<const T*>(&in0[j][k]);
+                    const T* x1 = reinterpret_cast<const T*>(&in1[j][k]);
+                    V4 out0, out1;
+                    T* y0 = reinterpret_cast<T*>(&out0);
+                    T* y1 = reinterpret_cast<T*>(&out1);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        // neox: pair q = (x0[q], x1[q]); GPT-J: pair q = elements (2q, 2q+1) of x0|x1
+                        const T* pe = neox ? x0 + q : (q < 2 ? x0 + 2 * q : x1 + 2 * (q - 2));
+                        const T* po = neox ? x1 + q : pe + 1;
+                        const float u = Elem<T>::load(pe, fp8_table, scale);
+                        const float v = Elem<T>::load(po, fp8_table, scale);
+                        const float u0 = __fadd_rn(__fmul_rn(u, cpa[q]), __fmul_rn(v, spa[q]));
+                        const float u1 = __fsub_rn(__fmul_rn(v, cpa[q]), __fmul_rn(u, spa[q]));
+                        T* oe = neox ? y0 + q : (q < 2 ? y0 + 2 * q : y1 + 2 * (q - 2));
+                        T* oo = neox ? y1 + q : oe + 1;
+                        Elem<T>::store(oe, __fsub_rn(__fmul_rn(u0, cqa[q]), __fmul_rn(u1, sqa[q])), scale);
+                        Elem<T>::store(oo, __fadd_rn(__fmul_rn(u1, cqa[q]), __fmul_rn(u0, sqa[q])), scale);
+                    }
+                    *reinterpret_cast<V4*>(to + e0[k]) = out0;
+                    *reinterpret_cast<V4*>(to + e1[k]) = out1;
                 }
-                *reinterpret_cast<V4*>(to + e0[k]) = out0;
-                *reinterpret_cast<V4*>(to + e1[k]) = out1;
             }
         }
     }

@@ -32,6 +32,8 @@ BOUNDARY_LENGTHS = [0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 121, 127, 128, 12
 def _need(device: str, backend: str) -> None:
     if backend == "cupy" and not _backend.has_cupy():
         pytest.skip("needs cupy with a CUDA device (not installed here)")
+    if backend == "warp" and not _backend.has_warp():
+        pytest.skip("needs the warp-lang package (not installed here)")
 
 
 def _bytes(seed: int, n: int) -> torch.Tensor:
