@@ -156,8 +156,13 @@ __global__ void kmesh_place_vec(
                 const int h = live[k] ? c / chunks_per_head : 0;
                 const int cc = live[k] ? c - h * chunks_per_head : 0;
                 rot[k] = rotate && cc < rot_chunks;
-                e0[k] = (rot[k] && neox) ? 4 * cc : 8 * cc;
-                e1[k] = (rot[k] && neox) ? 4 * cc + half : 8 * cc + 4;
+                if (!rotate) {  // a plain row: chunk cc = 4 elements from each half, so that
+                    e0[k] = 4 * cc;  // neighbouring lanes read neighbouring 8-byte pieces
+                    e1[k] = 4 * cc + (Di >> 1);
+                } else {
+                    e0[k] = (rot[k] && neox) ? 4 * cc : 8 * cc;
+                    e1[k] = (rot[k] && neox) ? 4 * cc + half : 8 * cc + 4;
+                }
                 hs[k] = h;
             }
 #pragma unroll
