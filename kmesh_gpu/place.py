@@ -168,8 +168,11 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
 def _host_cat(parts: list[torch.Tensor]) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=np.int64)
-    arrays = [p.detach().cpu().numpy() for p in parts]
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    if len(parts) == 1:
+        return parts[0].detach().cpu().numpy()
+    # one concatenation (and at most one device read) instead of one conversion per item
+    return torch.cat([p.detach() for p in parts]).cpu().numpy() if all(p.device == parts[0].device for p in parts) \
+        else np.concatenate([p.detach().cpu().numpy() for p in parts])
 
 
 def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old, all_new, item_cache: list[int],
