@@ -101,7 +101,8 @@ def _check_kv(name: str, kv, layout: KVLayout, device: torch.device) -> torch.Te
     return kv.view(layout.storage_dtype)
 
 
-def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool):
+def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool,
+             slots_checked: bool = False):
     if not isinstance(layout, KVLayout):
         raise LayoutError(f"layout: expected a KVLayout, got {type(layout).__name__}")
     if rope is not None and not isinstance(rope, RopeSpec):
@@ -156,7 +157,8 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
         pos += T
     cache_ids = list(cache_views)
     _check_values(items, layout, rope, all_slots, all_old, all_new,
-                  [cache_ids.index(it.cache_key) for it in items], check_duplicates=not gather)
+                  [cache_ids.index(it.cache_key) for it in items], check_duplicates=not gather and not slots_checked,
+                  check_slots=not slots_checked)
     scale = None
     if layout.storage_dtype == torch.uint8 and rope is not None:
         scale = _k_scale(k_scale, layout.num_layers)
@@ -176,14 +178,16 @@ def _host_cat(parts: list[torch.Tensor]) -> np.ndarray:
 
 
 def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old, all_new, item_cache: list[int],
-                  *, check_duplicates: bool) -> None:
+                  *, check_duplicates: bool, check_slots: bool = True) -> None:
     """Range checks of slots and positions and the no-duplicate-slot rule over the whole batch
-    (host arrays); details are worked out only on failure."""
+    (host arrays); details are worked out only on failure. ``check_slots=False`` (with
+    ``check_duplicates=False``): the caller has already proved every slot in ``[-1, num_slots)``
+    and distinct within its cache; positions are still checked."""
     n, S = len(items), layout.num_slots
     if all_slots.size == 0:
         return
     valid = all_slots >= 0
-    bad = bool(((all_slots < -1) | (all_slots >= S)).any())
+    bad = bool(((all_slots < -1) | (all_slots >= S)).any()) if check_slots else False
     if rope is not None and not bad:
         P = rope.num_positions
         bad = bool((((all_old < 0) | (all_old >= P)) & valid).any() or (((all_new < 0) | (all_new >= P)) & valid).any())
@@ -476,8 +480,17 @@ class _Launch:
 
 
 def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_positions=None, new_positions=None,
-                       k_scale=None, backend: str = "auto") -> _Launch:
-    """Validate and build the launch of :func:`place_many` without running it (``.run()`` does)."""
+                       k_scale=None, backend: str = "auto", _slots_checked: bool = False) -> _Launch:
+    """Validate and build the launch of :func:`place_many` without running it (``.run()`` does).
+
+    ``_slots_checked`` (private; for callers that own a stricter check, e.g. the cache service,
+    which bounds-checks every slot against the client's registration before it reserves blocks):
+    skip only the slot range and duplicate-slot checks, which the caller guarantees it has already
+    made on these very slot values for a single destination cache of ``layout``: every slot in
+    ``[-1, layout.num_slots)``, no slot other than -1 twice. Everything else (types, shapes, dtypes,
+    devices, the cache's extent, position ranges) is still validated. A wrong promise lets the
+    launch write outside the cache, so nothing public passes it.
+    """
     n = len(kvs)
     if isinstance(caches, torch.Tensor):
         caches = [caches] * n
@@ -487,8 +500,10 @@ def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_p
     if rope is not None and (old_positions is None or new_positions is None
                              or len(old_positions) != n or len(new_positions) != n):
         raise LayoutError(f"old_positions/new_positions: expected {n} entries each when rope is given")
+    if _slots_checked and any(c is not caches[0] for c in caches):
+        raise LayoutError("_slots_checked: the caller's check covers one destination cache only")
     items, views, device, scale = _prepare(list(kvs), caches, layout, list(slots), rope, old_positions,
-                                           new_positions, k_scale, gather=False)
+                                           new_positions, k_scale, gather=False, slots_checked=_slots_checked)
     return _Launch(items, views, layout, device, rope, scale, backend, gather=False)
 
 

@@ -24,6 +24,11 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   ``--rounds`` times; reports throughput, errors, and the service's device memory and open IPC
   mappings before and after (they must return to the baseline).
 
+* Stage breakdown (``--timing-runs``, 21 by default, after the paired runs so they do not perturb
+  them): further service restores with ``timings=True``; prints the median time between
+  consecutive stages (client: start, built, sent, received; service: received, parsed, validated,
+  resolved, prepared, launched, completed, reply_sent; one monotonic clock for both processes).
+
 Usage: ``python perf/bench_service.py [--device cpu|cuda] [--out perf/out/]``. Prints a table and
 writes ``bench_service_<device>.json`` into ``--out``.
 """
@@ -166,6 +171,13 @@ def paired(args, client, socket_path) -> dict:
         loc.append(a)
         svc.append(b)
         ratios.append(b / a)
+    stages = None
+    if args.timing_runs > 0:
+        rows = []
+        for _ in range(args.timing_runs):
+            client.restore(reg, items, timings=True)
+            rows.append(client.last_timings)
+        stages = stage_medians(rows)
     client.close_registration(reg, timeout=120)
     svc_cache = registrable = None
     if shared is not None:
@@ -174,7 +186,24 @@ def paired(args, client, socket_path) -> dict:
             "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
             "median_paired_ratio": statistics.median(ratios), "median_paired_diff_ms":
             statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]), "bit_identical": identical,
-            "target_ratio": 1.15}
+            "target_ratio": 1.15, "stages_us": stages}
+
+
+STAGES = [("client", "start"), ("client", "built"), ("client", "sent"), ("service", "received"),
+          ("service", "parsed"), ("service", "validated"), ("service", "resolved"), ("service", "prepared"),
+          ("service", "launched"), ("service", "completed"), ("service", "reply_sent"), ("client", "received")]
+
+
+def stage_medians(rows) -> list:
+    """``[(label, median us)]`` between consecutive stages of ``CacheClient.last_timings`` rows."""
+    out = []
+    for (w0, k0), (w1, k1) in zip(STAGES, STAGES[1:]):
+        vals = [(r[w1][k1] - r[w0][k0]) / 1e3 for r in rows if k0 in r[w0] and k1 in r[w1]]
+        if vals:
+            out.append((f"{w0}.{k0} -> {w1}.{k1}", statistics.median(vals)))
+    out.append(("total (client start -> received)",
+                statistics.median([(r["client"]["received"] - r["client"]["start"]) / 1e3 for r in rows])))
+    return out
 
 
 def concurrent(args, client, socket_path) -> dict:
@@ -224,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timing-runs", type=int, default=21, help="restores with a per-stage breakdown (0: none)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
@@ -254,6 +284,10 @@ def main(argv=None) -> int:
     print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")
     print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (target <= 1.15), "
           f"median paired diff {pair['median_paired_diff_ms']:.3f} ms, bit-identical: {pair['bit_identical']}")
+    if pair["stages_us"]:
+        print(f"service path stages, median of {args.timing_runs} restores (us):")
+        for label, us in pair["stages_us"]:
+            print(f"  {label:<42}{us:>10.1f}")
     if conc:
         print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {conc['restores_per_s']:.1f} "
               f"restores/s, median latency {conc['latency_median_ms']:.2f} ms, errors {conc['errors']}, "

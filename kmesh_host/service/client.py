@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +102,8 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[torch.cuda.Event, str]] = {}  # reg id -> (event, IPC handle hex)
+        #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
+        self.last_timings: dict | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -112,22 +115,32 @@ class CacheClient:
     # ------------------------------------------------------------------ plumbing
     def call(self, header: dict, body: bytes = b"") -> protocol.Message:
         """Send one request and return its reply; a typed error reply is raised as its class."""
-        return self._call(header, body)
+        return self._call(dict(header), body)
 
-    def _call(self, header: dict, body: bytes = b"", *, event_for=None) -> protocol.Message:
+    def _call(self, header: dict, body: bytes = b"", *, event_for=None, stamps: dict | None = None) -> protocol.Message:
         """``event_for``: a GPU registration whose event is recorded (and named in ``wait_event``)
         under the connection lock, so no other request of this connection can re-record it before
-        the service has queued its wait on it."""
+        the service has queued its wait on it. ``stamps``: collect client-side timestamps
+        (``built``, ``sent``, ``received``; monotonic ns) and ask the service for its own."""
         with self._lock:
             if self._sock is None:
                 raise ServiceError("CacheClient: closed")
             rid = next(self._ids)
-            header = {**header, "id": rid}
+            header["id"] = rid
             if event_for is not None and event_for.is_cuda:
                 header["wait_event"] = self._record_event(event_for)
+            if stamps is not None:
+                header["timings"] = True
             try:
-                protocol.send_message(self._sock, header, body, max_body_bytes=self.max_body_bytes)
+                frame = protocol.encode(header, body, max_body_bytes=self.max_body_bytes)
+                if stamps is not None:
+                    stamps["built"] = time.monotonic_ns()
+                self._sock.sendall(frame)
+                if stamps is not None:
+                    stamps["sent"] = time.monotonic_ns()
                 reply = protocol.read_message(self._sock, max_body_bytes=self.max_body_bytes)
+                if stamps is not None:
+                    stamps["received"] = time.monotonic_ns()
             except (OSError, protocol.ConnectionClosed) as exc:
                 raise ServiceError(f"cache service connection lost during {header.get('op')!r}: {exc}") from exc
         if reply.header.get("id") != rid:
@@ -225,35 +238,49 @@ class CacheClient:
         self.call({"op": "attach", **self._auth(reg)})
 
     def restore(self, reg: Registration, items, *, wait: bool = True, timeout: float | None = None,
-                model_fingerprint: dict | None = None, inject: dict | None = None) -> int:
+                model_fingerprint: dict | None = None, inject: dict | None = None, timings: bool = False) -> int:
         """Restore originals into the registration's slots; returns the operation id.
 
         ``wait=True``: returns after the copy has physically finished (the blocks are usable).
         ``wait=False``: returns once submitted; call :meth:`drain` (or :meth:`acquire`) before
         reading or reusing the blocks.
+        ``timings=True``: record where the time went; :attr:`last_timings` then holds
+        ``{"client": {...}, "service": {...}}``, monotonic nanoseconds (one clock for both processes
+        on Linux). Client: ``start`` (call entered), ``built`` (request encoded), ``sent``,
+        ``received`` (reply read). Service: ``received`` (frame read), ``parsed`` (header decoded),
+        ``validated`` (authorised, items and originals checked, slots bounds-checked against the
+        registration, blocks reserved), ``resolved`` (device copies of the originals found),
+        ``prepared`` (placement validated and its launch tables built), ``launched``,
+        ``completed`` (completion event observed, holds released), ``reply_sent`` (reply built,
+        handed to the socket right after).
         """
-        items = [it if isinstance(it, RestoreItem) else RestoreItem(*it) for it in items]
+        stamps = {"start": time.monotonic_ns()} if timings else None
         described, slots, new_positions = [], [], []
         for it in items:
+            if not isinstance(it, RestoreItem):
+                it = RestoreItem(*it)
             s = _int64("slots", it.slots)
-            d = {"key": it.key, "slots": len(s)}
             slots.append(s)
-            if it.new_positions is not None:
+            if it.new_positions is None:
+                described.append({"key": it.key, "slots": len(s)})
+            else:
                 p = _int64("new_positions", it.new_positions)
-                d["new_positions"] = len(p)
                 new_positions.append(p)
-            described.append(d)
+                described.append({"key": it.key, "slots": len(s), "new_positions": len(p)})
         arrays = {"slots": np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)}
         if new_positions:
             arrays["new_positions"] = np.concatenate(new_positions)
         tensors, body = protocol.pack_int64(arrays)
-        header = {"op": "restore", **self._auth(reg), "items": described, "tensors": tensors, "wait": wait,
-                  "timeout": timeout}
+        header = {"op": "restore", "reg": reg.reg_id, "secret": reg.secret, "items": described, "tensors": tensors,
+                  "wait": wait, "timeout": timeout}
         if model_fingerprint is not None:
             header["model_fingerprint"] = model_fingerprint
         if inject:
             header["inject"] = inject
-        return int(self._call(header, body, event_for=reg).header["op"])
+        reply = self._call(header, body, event_for=reg, stamps=stamps)
+        if stamps is not None:
+            self.last_timings = {"client": stamps, "service": reply.header.get("timings") or {}}
+        return int(reply.header["op"])
 
     def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
              timeout: float | None = None, inject: dict | None = None) -> int:

@@ -95,21 +95,83 @@ def encode(header: dict, body: bytes | bytearray | memoryview = b"", *,
     return PREFIX.pack(MAGIC, VERSION, 0, len(raw), len(body)) + raw + bytes(body)
 
 
-def _recv_exact(sock: socket.socket, n: int, *, started: bool) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _recv_exact(sock: socket.socket, view: memoryview, got: int) -> None:
+    """Fill ``view`` from byte ``got`` on (a frame has begun: any end of stream is mid-frame)."""
+    n = len(view)
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got)
         except socket.timeout as exc:
-            raise ConnectionClosed("timed out in the middle of a frame" if started or got else "idle timeout") from exc
+            raise ConnectionClosed("timed out in the middle of a frame") from exc
         if k == 0:
-            if started or got:
-                raise ConnectionClosed(f"connection closed in the middle of a frame ({got} of {n} bytes)")
-            raise ConnectionClosed("connection closed")
+            raise ConnectionClosed(f"connection closed in the middle of a frame ({got} of {n} bytes)")
         got += k
-    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               frame_timeout: float | None = None) -> tuple[bytearray, memoryview]:
+    """Read one frame's raw header and body (see :func:`read_message`; :func:`decode_header` parses).
+
+    Two reads in the common case: the prefix (waiting without limit, or the socket's own timeout,
+    for its first byte), then header and body together. The socket's timeout is switched to
+    ``frame_timeout`` only when a frame arrives in pieces, and put back afterwards.
+    """
+    idle_timeout = sock.gettimeout()
+    prefix = bytearray(PREFIX.size)
+    pview = memoryview(prefix)
+    try:
+        k = sock.recv_into(pview, PREFIX.size)
+    except socket.timeout as exc:
+        raise ConnectionClosed("idle timeout") from exc
+    if k == 0:
+        raise ConnectionClosed("connection closed")
+    switched = False
+    try:
+        if k < PREFIX.size:
+            if frame_timeout != idle_timeout:
+                sock.settimeout(frame_timeout)
+                switched = True
+            _recv_exact(sock, pview, k)
+        magic, version, flags, header_len, body_len = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise FatalFrameError(f"frame: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise FatalFrameError(f"frame: protocol version {version}, this service speaks {VERSION}")
+        if flags != 0:
+            raise FatalFrameError(f"frame: unknown flags {flags:#x}")
+        if header_len > MAX_HEADER_BYTES or header_len == 0:
+            raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
+        if body_len > max_body_bytes:
+            raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
+        buf = bytearray(header_len + body_len)
+        view = memoryview(buf)
+        try:
+            # whatever has arrived already, without waiting (blocking sockets only: a socket with a
+            # timeout polls before it reads, which is what the next read does anyway)
+            got = sock.recv_into(view, len(buf), socket.MSG_DONTWAIT) if idle_timeout is None else 0
+        except (BlockingIOError, InterruptedError):
+            got = 0
+        if got < len(buf):
+            if not switched and frame_timeout != idle_timeout:
+                sock.settimeout(frame_timeout)
+                switched = True
+            _recv_exact(sock, view, got)
+    finally:
+        if switched:
+            sock.settimeout(idle_timeout)
+    return buf, view[header_len:]
+
+
+def decode_header(raw) -> dict:
+    """The JSON object at the start of a frame read by :func:`read_frame` (``raw`` may be longer:
+    the header's own length is taken from its prefix by the caller)."""
+    try:
+        header = json.loads(str(raw, "utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"header: not valid UTF-8 JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header: expected a JSON object, got {type(header).__name__}")
+    return header
 
 
 def read_message(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -120,33 +182,8 @@ def read_message(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     invalid (the caller must close), and :class:`ProtocolError` for a well-delimited frame whose
     header is not a JSON object (the connection stays usable).
     """
-    idle_timeout = sock.gettimeout()
-    first = _recv_exact(sock, 1, started=False)
-    sock.settimeout(frame_timeout)
-    try:
-        prefix = first + _recv_exact(sock, PREFIX.size - 1, started=True)
-        magic, version, flags, header_len, body_len = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise FatalFrameError(f"frame: bad magic {magic!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise FatalFrameError(f"frame: protocol version {version}, this service speaks {VERSION}")
-        if flags != 0:
-            raise FatalFrameError(f"frame: unknown flags {flags:#x}")
-        if header_len > MAX_HEADER_BYTES or header_len == 0:
-            raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
-        if body_len > max_body_bytes:
-            raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
-        raw = _recv_exact(sock, header_len, started=True)
-        body = _recv_exact(sock, body_len, started=True) if body_len else b""
-    finally:
-        sock.settimeout(idle_timeout)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"header: not valid UTF-8 JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header: expected a JSON object, got {type(header).__name__}")
-    return Message(header, body)
+    buf, body = read_frame(sock, max_body_bytes=max_body_bytes, frame_timeout=frame_timeout)
+    return Message(decode_header(memoryview(buf)[:len(buf) - len(body)]), body)
 
 
 def send_message(sock: socket.socket, header: dict, body: bytes | bytearray | memoryview = b"", *,
@@ -227,11 +264,23 @@ def pack_int64(arrays: dict[str, np.ndarray]) -> tuple[dict, bytes]:
     return descr, b"".join(parts)
 
 
-def unpack_int64(descr: dict, body: bytes, name: str, *, optional: bool = False) -> torch.Tensor | None:
-    """The 1-D int64 array ``name`` of a request (see :func:`pack_int64`), a CPU tensor."""
+def unpack_int64(descr: dict, body, name: str, *, optional: bool = False) -> torch.Tensor | None:
+    """The 1-D int64 array ``name`` of a request (see :func:`pack_int64`), a CPU tensor.
+
+    A view of ``body`` when it is writable (a received frame's own buffer), a copy otherwise."""
     if optional and (not isinstance(descr, dict) or name not in descr):
         return None
-    t = unpack_tensor(descr, body, name)
+    d = descr.get(name) if isinstance(descr, dict) else None
+    if isinstance(d, dict) and d.get("dtype") == "int64":
+        shape, offset, nbytes = d.get("shape"), d.get("offset"), d.get("nbytes")
+        if (type(shape) is list and len(shape) == 1 and type(shape[0]) is int and type(offset) is int
+                and type(nbytes) is int and 0 <= shape[0] and nbytes == 8 * shape[0] and 0 <= offset
+                and offset + nbytes <= len(body)):
+            if nbytes == 0:
+                return torch.empty(0, dtype=torch.int64)
+            a = np.frombuffer(body, dtype="<i8", count=shape[0], offset=offset)
+            return torch.from_numpy(a if a.flags.writeable else a.copy())
+    t = unpack_tensor(descr, body, name)  # the general path names what is wrong
     if t.dtype != torch.int64 or t.dim() != 1:
         raise ProtocolError(f"tensors.{name}: expected int64[N], got {str(t.dtype).removeprefix('torch.')}"
                             f"{list(t.shape)}")

@@ -74,6 +74,9 @@ class ServiceConfig:
         shutdown_drain_s: on stop, how long to keep waiting for pending copies before exiting.
         backend: the ``kmesh_gpu`` placement backend (``"auto"`` by default).
         allow_fault_injection: honour ``inject`` fields (tests only).
+        completion_spin_s: how long a lone request polls its copy's completion event before it
+            sleeps in a blocking wait (a sleeping thread wakes at the OS timer's granularity, later
+            than a restore's copy finishes); requests with others in flight do not poll.
     """
 
     socket_path: str
@@ -87,6 +90,7 @@ class ServiceConfig:
     shutdown_drain_s: float = 30.0
     backend: str = "auto"
     allow_fault_injection: bool = False
+    completion_spin_s: float = 2e-3
 
 
 # ---------------------------------------------------------------------------------- completions
@@ -308,10 +312,12 @@ class _Service:
                     self._counters["refused_peers"] += 1
                 self._refuse(conn, exc if isinstance(exc, KmeshError) else ProtocolError(str(exc)))
                 return
+            max_body, frame_timeout = self.config.max_body_bytes, self.config.frame_timeout_s
             while not self._stop.is_set():
                 try:
-                    msg = protocol.read_message(conn, max_body_bytes=self.config.max_body_bytes,
-                                                frame_timeout=self.config.frame_timeout_s)
+                    raw, body = protocol.read_frame(conn, max_body_bytes=max_body, frame_timeout=frame_timeout)
+                    received = time.monotonic_ns()
+                    header = protocol.decode_header(memoryview(raw)[:len(raw) - len(body)])
                 except protocol.ConnectionClosed:
                     return
                 except protocol.FatalFrameError as exc:
@@ -325,8 +331,14 @@ class _Service:
                     continue
                 except OSError:
                     return
-                header, body = self._dispatch(msg, peer, conn_id)
-                if not self._send(conn, header, body):
+                # opt-in per-request timing (``"timings": true``): monotonic ns, system-wide on Linux
+                stamps = {"received": received, "parsed": time.monotonic_ns()} \
+                    if header.get("timings") is True else None
+                reply, reply_body = self._dispatch(header, body, peer, conn_id, stamps)
+                if stamps is not None:
+                    reply["timings"] = stamps
+                    stamps["reply_sent"] = time.monotonic_ns()  # handed to the socket right after
+                if not self._send(conn, reply, reply_body):
                     return
         finally:
             with self._lock:
@@ -346,24 +358,29 @@ class _Service:
         with self._lock:
             self._counters[name] += 1
 
-    def _dispatch(self, msg: protocol.Message, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
-        h = msg.header
-        rid = h.get("id") if isinstance(h.get("id"), int) and not isinstance(h.get("id"), bool) else None
+    def _dispatch(self, h: dict, body, peer: PeerIdentity, conn_id: int, stamps: dict | None = None) -> tuple[dict, bytes]:
+        rid = h.get("id")
+        if type(rid) is not int:
+            rid = None
         with self._lock:
             self._counters["requests"] += 1
             self._inflight += 1
         try:
-            return self._handle(h, msg.body, rid, peer, conn_id)
+            return self._handle(h, body, rid, peer, conn_id, stamps)
         finally:
             with self._lock:
                 self._inflight -= 1
 
-    def _handle(self, h: dict, body: bytes, rid, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
-        handler = _HANDLERS.get(h.get("op")) if isinstance(h.get("op"), str) else None
+    def _handle(self, h: dict, body, rid, peer: PeerIdentity, conn_id: int, stamps: dict | None = None) -> tuple[dict, bytes]:
+        op = h.get("op")
+        handler = _HANDLERS.get(op) if type(op) is str else None
         try:
             if handler is None:
-                raise ProtocolError(f"op: unknown operation {h.get('op')!r}")
-            out, reply_body = handler(self, h, body, peer, conn_id)
+                raise ProtocolError(f"op: unknown operation {op!r}")
+            if stamps is not None and op in _TIMED:
+                out, reply_body = handler(self, h, body, peer, conn_id, stamps=stamps)
+            else:
+                out, reply_body = handler(self, h, body, peer, conn_id)
             return {"id": rid, "ok": True, **out}, reply_body
         except KmeshError as exc:
             self._count("errors")
@@ -456,7 +473,7 @@ class _Service:
                     done = torch.cuda.Event(blocking=True)
                     done.record(stream)
                     lone = not self._others_in_flight()
-                    completion = CudaEventCompletion(done, spin_s=5e-4 if lone else 0.0,
+                    completion = CudaEventCompletion(done, spin_s=self.config.completion_spin_s if lone else 0.0,
                                                      spin_while=lambda: not self._others_in_flight())
         else:
             try:
@@ -568,8 +585,8 @@ class _Service:
         self.registry.attach(reg, conn_id)
         return {"reg": reg.reg_id}, b""
 
-    def op_restore(self, h, body, peer, conn_id):
-        from kmesh_gpu import place_many
+    def op_restore(self, h, body, peer, conn_id, stamps=None):
+        from kmesh_gpu.place import prepare_place_many
 
         reg = self._authorize(h, peer)
         inject = self._inject(h)
@@ -591,9 +608,10 @@ class _Service:
             count = protocol.field(item, "slots", int)
             shift = protocol.field(item, "new_positions", int, optional=True)
             seg = self.sources.get(key, model_fingerprint=fingerprint)
-            T = seg.kv.shape[2]
-            if tuple(seg.kv.shape) != (2, L, T, H, D) or seg.kv.dtype != layout.dtype:
-                raise LayoutError(f"items[{i}]: original {key!r} is {tuple(seg.kv.shape)} {seg.kv.dtype}, the "
+            shape = seg.kv.shape
+            T = shape[2]
+            if shape != (2, L, T, H, D) or seg.kv.dtype != layout.dtype:
+                raise LayoutError(f"items[{i}]: original {key!r} is {tuple(shape)} {seg.kv.dtype}, the "
                                   f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
             if count != T:
                 raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {count}")
@@ -616,22 +634,29 @@ class _Service:
                 j = int(bad[0])
                 i = next(i for i, p in enumerate(parsed) if p[3] is not None and p[3] <= j < p[3] + p[1].kv.shape[2])
                 raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {rope.num_positions})")
+        # The security boundary: every slot in [-1, num_slots) of this registration and none twice.
+        # place_many is told so (``_slots_checked``) instead of checking the same values again.
         blocks = self.registry.blocks_of_slots(reg, all_slots, name="items[*].slots")
         client_event = self._client_event(h, reg, conn_id)
         op = self.registry.begin(reg, "restore", blocks, [p[0] for p in parsed])
+        if stamps is not None:
+            stamps["validated"] = time.monotonic_ns()
         cache = reg.extra["cache"]
+        backend = self.config.backend
 
         def enqueue(keepalive):
             device = cache.device
+            on_cuda = device.type == "cuda"
+            stream = reg.extra.get("stream")
             groups = {True: ([], [], [], []), False: ([], [], [], [])}
             for key, seg, s0, p0 in parsed:
                 T = seg.kv.shape[2]
-                if device.type == "cuda":
+                if on_cuda:
                     copy = self.device_originals.get(key, seg, device)
                     if copy is None:  # over the device budget: upload for this request only
                         kv = seg.kv.to(device, non_blocking=True)
                     else:
-                        reg.extra["stream"].wait_event(copy.ready)
+                        self.device_originals.order_after_upload(copy, stream)
                         kv = copy.kv
                     keepalive.append(kv)
                 else:
@@ -641,17 +666,30 @@ class _Service:
                 g[1].append(all_slots[s0:s0 + T])
                 g[2].append(seg.positions)
                 g[3].append(None if p0 is None else all_new[p0:p0 + T])
+            if stamps is not None:
+                stamps["resolved"] = time.monotonic_ns()
+            launches = []
             for shifted, (kvs, slot_ts, old, new) in groups.items():
                 if not kvs:
                     continue
                 if shifted:
-                    place_many(kvs, cache, layout, slot_ts, rope=rope, old_positions=old, new_positions=new,
-                               backend=self.config.backend)
+                    launches.append(prepare_place_many(kvs, cache, layout, slot_ts, rope=rope, old_positions=old,
+                                                       new_positions=new, backend=backend, _slots_checked=True))
                 else:
-                    place_many(kvs, cache, layout, slot_ts, backend=self.config.backend)
+                    launches.append(prepare_place_many(kvs, cache, layout, slot_ts, backend=backend,
+                                                       _slots_checked=True))
+            if stamps is not None:
+                stamps["prepared"] = time.monotonic_ns()
+            for launch in launches:
+                launch.run()
+            if stamps is not None:
+                stamps["launched"] = time.monotonic_ns()
 
         self._submit(reg, op, inject, enqueue, client_event=client_event)
-        return self._finish(op, h), b""
+        out = self._finish(op, h)
+        if stamps is not None:
+            stamps["completed"] = time.monotonic_ns()
+        return out, b""
 
     def op_save(self, h, body, peer, conn_id):
         from kmesh_gpu import gather
@@ -746,6 +784,8 @@ _HANDLERS = {
     "save": _Service.op_save, "cancel": _Service.op_cancel, "drain": _Service.op_drain,
     "acquire": _Service.op_acquire, "close": _Service.op_close,
 }
+#: handlers that record per-stage timestamps when a request asks for ``timings``
+_TIMED = frozenset({"restore"})
 
 
 # ---------------------------------------------------------------------------------- processes

@@ -188,14 +188,17 @@ class TieredSource(SourceProvider):
         return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class DeviceCopy:
     """A device copy of one host original. ``ready``: CUDA event after its upload (streams that read
-    ``kv`` wait on it). ``source``: the host segment it was copied from."""
+    ``kv`` wait on it until the upload is known to have finished). ``source``: the host segment it
+    was copied from. ``uploaded``: set once a query saw ``ready`` complete (it never un-completes:
+    the event is recorded once)."""
 
     kv: torch.Tensor
     ready: object  # torch.cuda.Event
     source: SourceSegment
+    uploaded: bool = False
 
 
 class DeviceOriginals:
@@ -250,6 +253,17 @@ class DeviceOriginals:
             self._entries[(key, index)] = entry
             self._bytes[index] = self._bytes.get(index, 0) + nbytes
             return entry
+
+    @staticmethod
+    def order_after_upload(entry: DeviceCopy, stream) -> None:
+        """Make work queued next on ``stream`` read ``entry.kv`` only after its upload: a stream wait
+        while the upload may be running, nothing once a query has seen it finished."""
+        if entry.uploaded:
+            return
+        if entry.ready.query():
+            entry.uploaded = True
+        else:
+            stream.wait_event(entry.ready)
 
     def _remove(self, k: tuple[str, int]) -> None:
         entry = self._entries.pop(k)

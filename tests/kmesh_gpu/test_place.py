@@ -277,3 +277,34 @@ def test_slot_range_error_names_the_argument_and_bounds():
     with pytest.raises(LayoutError) as err:
         place(kv, cache, layout, torch.tensor([0, 1, 99]), backend="warp")
     assert "num_blocks x block_size = 4 x 4" in str(err.value)
+
+
+def test_private_slots_checked_skips_only_the_slot_checks():
+    """``_slots_checked`` (the cache service's prepared path): same bits as the checked path; slot
+    range and duplicates are the caller's promise, everything else is still validated."""
+    from kmesh_gpu.place import prepare_place_many
+
+    layout, rope, kv, cache = _bad_setup()
+    slots, old, new = torch.tensor([0, 5, 2]), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    ref = cache.clone()
+    place_many([kv], ref, layout, [slots], rope=rope, old_positions=[old], new_positions=[new], backend="torch")
+    got = cache.clone()
+    prepare_place_many([kv], got, layout, [slots], rope=rope, old_positions=[old], new_positions=[new],
+                       backend="torch", _slots_checked=True).run()
+    assert torch.equal(_bits(got), _bits(ref))
+    # a duplicate is not looked for any more (the caller proved there is none) ...
+    prepare_place_many([kv], got, layout, [torch.tensor([0, 0, 1])], rope=rope, old_positions=[old],
+                       new_positions=[new], backend="torch", _slots_checked=True)
+    with pytest.raises(LayoutError, match="more than once"):
+        prepare_place_many([kv], got, layout, [torch.tensor([0, 0, 1])], rope=rope, old_positions=[old],
+                           new_positions=[new], backend="torch")
+    # ... but positions, shapes and the one-cache promise still are
+    with pytest.raises(LayoutError):
+        prepare_place_many([kv], got, layout, [slots], rope=rope, old_positions=[old],
+                           new_positions=[torch.tensor([4, 5, 99999])], backend="torch", _slots_checked=True)
+    with pytest.raises(LayoutError, match="int64"):
+        prepare_place_many([kv], got, layout, [slots[:2]], rope=rope, old_positions=[old], new_positions=[new],
+                           backend="torch", _slots_checked=True)
+    with pytest.raises(LayoutError, match="one destination cache"):
+        prepare_place_many([kv, kv], [got, got.clone()], layout, [slots, slots], rope=rope,
+                           old_positions=[old, old], new_positions=[new, new], backend="torch", _slots_checked=True)

@@ -247,3 +247,20 @@ def test_restore_from_segment_store(tmp_path, layout):
             assert torch.equal(_bits(cache.tensor), _bits(ref))
             assert c.status()["sources"]["host_keys"] == 1
             assert c.close_registration(reg) is True
+
+
+def test_restore_timings_are_opt_in_and_ordered(client, cache, layout, request):
+    key = request.node.name
+    _original(client, key)
+    reg = client.register(cache, layout, rope=small_rope())
+    item = RestoreItem(key, [1, 2, 3, 9, 10, 30], [40, 41, 42, 43, 44, 45])
+    client.restore(reg, [item])
+    assert client.last_timings is None  # off unless asked for
+    client.drain(reg)
+    client.restore(reg, [item], timings=True)
+    t = client.last_timings
+    c, s = t["client"], t["service"]
+    order = [c["start"], c["built"], c["sent"], s["received"], s["parsed"], s["validated"], s["resolved"],
+             s["prepared"], s["launched"], s["completed"], s["reply_sent"], c["received"]]
+    assert order == sorted(order)
+    assert client.close_registration(reg) is True
