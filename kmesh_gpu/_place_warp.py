@@ -164,7 +164,7 @@ def launch(tables: dict, dtype: torch.dtype, device: torch.device, *, L: int, H:
     def arr(t: torch.Tensor, wdtype):
         return wp.array(ptr=t.data_ptr(), shape=(t.numel(),), dtype=wdtype, device=wdev)
 
-    u64, i64, i32, f32 = wp.uint64, wp.int64, wp.int32, wp.float32
+    u64, i64, f32 = wp.uint64, wp.int64, wp.float32
     stream = None
     if device.type == "cuda":
         stream = wp.stream_from_torch(torch.cuda.current_stream(device))

@@ -8,7 +8,8 @@ shared memory), :class:`RestoreItem`.
 
 from .client import CacheClient, Registration, RestoreItem
 from .memory import MemoryHandle, SharedCache
-from .server import CacheService, ServiceConfig, run_foreground
+from .process import CacheService, run_foreground
+from .server import ServiceConfig
 
 __all__ = ["CacheClient", "CacheService", "MemoryHandle", "Registration", "RestoreItem", "ServiceConfig",
            "SharedCache", "run_foreground"]

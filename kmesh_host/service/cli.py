@@ -11,7 +11,8 @@ from kmesh_gpu.errors import KmeshError
 
 def serve_main(args) -> int:
     """Run the cache service in the foreground until SIGINT/SIGTERM. Args: socket, store, host_budget_bytes."""
-    from .server import ServiceConfig, run_foreground
+    from .process import run_foreground
+    from .server import ServiceConfig
 
     config = ServiceConfig(socket_path=args.socket, store_root=args.store, host_budget_bytes=args.host_budget_bytes)
 

@@ -1,8 +1,9 @@
 """The cache service: a separate process that owns the shared originals and writes client memory.
 
-:class:`CacheService` (parent side, a context manager) starts the service in a process created
-with ``multiprocessing`` *spawn* (never fork: the parent may hold CUDA state and threads) and stops
-it. :func:`run_foreground` runs the same service in the calling process (``kmesh serve``).
+:class:`~.process.CacheService` (parent side, a context manager) starts the service in a process
+created with ``multiprocessing`` *spawn* (never fork: the parent may hold CUDA state and threads) and
+stops it; :func:`~.process.run_foreground` runs the same service in the calling process (``kmesh
+serve``). Socket set-up and peer checks: :mod:`.sockets`.
 
 Inside the service, one thread per connection reads requests (:mod:`.protocol`), checks the peer
 (``SO_PEERCRED``: same uid as the service), authorises every registration-bound request by peer pid
@@ -35,10 +36,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import signal
 import socket
-import stat
-import struct
 import sys
 import threading
 import time
@@ -53,6 +51,7 @@ from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError
 from . import protocol
 from .memory import DeviceMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
+from .sockets import bind_socket, check_peer, peer_identity
 from .sources import DeviceOriginals, HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
 
 
@@ -148,57 +147,6 @@ class InjectedFault(KmeshError):
     """A failure requested by a test through ``inject``."""
 
 
-# ---------------------------------------------------------------------------------- socket setup
-def prepare_socket_dir(socket_path: str) -> None:
-    """Create the socket's directory private (0700), or check that an existing one is ours and private."""
-    d = os.path.dirname(os.path.abspath(socket_path))
-    if not os.path.isdir(d):
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-    st = os.stat(d)
-    if st.st_uid != os.getuid():
-        raise ServiceError(f"socket directory {d}: owned by uid {st.st_uid}, not this user ({os.getuid()})")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ServiceError(f"socket directory {d}: mode {stat.S_IMODE(st.st_mode):o} lets others in; "
-                           "use a directory with mode 0700 (or a path whose directory does not exist yet)")
-
-
-def peer_identity(conn: socket.socket) -> PeerIdentity:
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return PeerIdentity(pid, uid, gid)
-
-
-def check_peer(peer: PeerIdentity, service_uid: int) -> None:
-    """Only the service's own user may connect (root is not special: it can read the secrets anyway)."""
-    if peer.uid != service_uid:
-        raise OwnershipError(f"peer uid {peer.uid} is not the service's uid {service_uid}")
-
-
-def _bind(socket_path: str) -> socket.socket:
-    prepare_socket_dir(socket_path)
-    if os.path.exists(socket_path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(socket_path)
-        except OSError:
-            os.unlink(socket_path)  # stale socket of a service that is gone
-        else:
-            raise ServiceError(f"socket {socket_path}: another service is already listening")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket file is created 0600, never briefly wider
-    try:
-        sock.bind(socket_path)
-    finally:
-        os.umask(old)
-    os.chmod(socket_path, 0o600)
-    sock.listen(64)
-    return sock
-
-
 # ---------------------------------------------------------------------------------- the service
 class _Service:
     """Everything that runs inside the service process."""
@@ -228,7 +176,7 @@ class _Service:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._listener = _bind(self.config.socket_path)
+        self._listener = bind_socket(self.config.socket_path)
         self._listener.settimeout(0.2)
         for target, name in ((self._accept_loop, "kmesh-accept"), (self._reap_loop, "kmesh-reaper")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -786,121 +734,3 @@ _HANDLERS = {
 }
 #: handlers that record per-stage timestamps when a request asks for ``timings``
 _TIMED = frozenset({"restore"})
-
-
-# ---------------------------------------------------------------------------------- processes
-def _service_process_main(config: ServiceConfig, ready, stop) -> None:
-    """Entry point of the spawned service process."""
-    try:
-        service = _Service(config)
-        service.start()
-    except BaseException as exc:
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        ready.close()
-        return
-    ready.send(("ready", os.getpid()))
-    ready.close()
-    stop.wait()
-    service.stop()
-
-
-def run_foreground(config: ServiceConfig, *, on_ready=None) -> int:
-    """Run the service in this process until SIGINT/SIGTERM (``kmesh serve``)."""
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        service = _Service(config)
-        service.start()
-        if on_ready is not None:
-            on_ready(service)
-        while not stop.wait(0.5):
-            pass
-        service.stop()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    return 0
-
-
-class CacheService:
-    """The cache service in its own spawned process; a context manager.
-
-    ``with CacheService(ServiceConfig(socket_path=...)) as svc:`` starts it and waits until its
-    socket accepts connections; leaving the block asks it to stop (it drains every pending copy
-    before releasing memory), joins it with a timeout and kills it if it does not exit.
-    """
-
-    def __init__(self, config: ServiceConfig, *, start_timeout_s: float = 120.0):
-        if not isinstance(config, ServiceConfig):
-            raise ServiceError(f"config: expected a ServiceConfig, got {type(config).__name__}")
-        self.config = config
-        self.start_timeout_s = start_timeout_s
-        self._proc = None
-        self._stop = None
-
-    @property
-    def socket_path(self) -> str:
-        return self.config.socket_path
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def is_alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
-
-    def start(self) -> "CacheService":
-        import multiprocessing as mp
-
-        if self._proc is not None:
-            raise ServiceError("CacheService.start: already started")
-        ctx = mp.get_context("spawn")
-        receiver, sender = ctx.Pipe(duplex=False)
-        self._stop = ctx.Event()
-        self._proc = ctx.Process(target=_service_process_main, args=(self.config, sender, self._stop),
-                                 name="kmesh-cache-service", daemon=True)
-        self._proc.start()
-        sender.close()
-        try:
-            if not receiver.poll(self.start_timeout_s):
-                raise ServiceError(f"cache service did not start within {self.start_timeout_s} s")
-            status, detail = receiver.recv()
-        except (EOFError, OSError) as exc:
-            self._proc.join(5)
-            code = self._proc.exitcode
-            self._kill()
-            raise ServiceError(f"cache service exited during start-up (exit code {code})") from exc
-        except ServiceError:
-            self._kill()
-            raise
-        finally:
-            receiver.close()
-        if status != "ready":
-            self._proc.join(5)
-            self._kill()
-            raise ServiceError(f"cache service failed to start: {detail}")
-        return self
-
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Ask the service to drain and exit; kill it if it has not exited after ``timeout_s``."""
-        if self._proc is None:
-            return
-        if timeout_s is None:
-            timeout_s = self.config.shutdown_drain_s + 15.0
-        self._stop.set()
-        self._proc.join(timeout_s)
-        self._kill()
-
-    def _kill(self) -> None:
-        if self._proc is None:
-            return
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(10)
-        self._proc = None
-
-    def __enter__(self) -> "CacheService":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -15,7 +15,7 @@ from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, Segment
 from kmesh_host.service import CacheClient, CacheService, ServiceConfig
 from kmesh_host.service import protocol
 from kmesh_host.service.registry import PeerIdentity
-from kmesh_host.service.server import check_peer, prepare_socket_dir
+from kmesh_host.service.sockets import check_peer, prepare_socket_dir
 from tests.helpers.service import socket_dir
 
 MAX_BODY = 1 << 20
