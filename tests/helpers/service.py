@@ -112,3 +112,15 @@ def child_register_then_hang(socket_path: str, instance: int, refuse_waits: int,
     c._sock.sendall(frame[: len(frame) // 2])
     out.put({"reg": reg.reg_id, "secret": reg.secret, "op": op, "shm": cache.handle.handle.decode(), "key": key})
     time.sleep(600)
+
+
+@contextlib.contextmanager
+def running_service(*, reap_interval_s: float):
+    """A spawned cache service with fault injection allowed, in a private socket directory."""
+    from kmesh_host.service import CacheService, ServiceConfig
+
+    with socket_dir() as d:
+        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), allow_fault_injection=True,
+                            reap_interval_s=reap_interval_s)
+        with CacheService(cfg) as svc:
+            yield svc

@@ -19,9 +19,9 @@ import torch
 
 from kmesh_gpu import gather, place_many
 from kmesh_gpu.errors import DrainError, KmeshError, OwnershipError, SegmentNotFound
-from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
+from kmesh_host.service import CacheClient, SharedCache
 from tests.helpers.devices import DEVICES
-from tests.helpers.service import registration_of, small_layout, small_rope, socket_dir, wait_for
+from tests.helpers.service import registration_of, running_service, small_layout, small_rope, wait_for
 
 MODES = ["success", "error-completes", "first-wait-refused"]
 POISON = 0x5A
@@ -31,11 +31,8 @@ BLOCKS = [0, 1, 3]
 
 @pytest.fixture(scope="module")
 def service():
-    with socket_dir() as d:
-        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), allow_fault_injection=True,
-                            reap_interval_s=0.05)
-        with CacheService(cfg) as svc:
-            yield svc
+    with running_service(reap_interval_s=0.05) as svc:
+        yield svc
 
 
 @pytest.fixture

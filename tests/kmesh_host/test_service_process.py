@@ -14,6 +14,7 @@ from kmesh_gpu import place_many
 from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError
 from kmesh_host.service import CacheClient, CacheService, RestoreItem, ServiceConfig, SharedCache
 from tests.helpers.service import (
+    running_service,
     SPAWN,
     child_register_then_hang,
     child_use_leaked_secret,
@@ -30,11 +31,8 @@ POISON = 0x5A  # every byte of a fresh cache: anything unexpected written shows 
 
 @pytest.fixture(scope="module")
 def service():
-    with socket_dir() as d:
-        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), allow_fault_injection=True,
-                            reap_interval_s=0.02)
-        with CacheService(cfg) as svc:
-            yield svc
+    with running_service(reap_interval_s=0.02) as svc:
+        yield svc
 
 
 @pytest.fixture
