@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
     cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30)
-    with CacheService(cfg) as svc, CacheClient(socket_path, timeout=300) as client:
+    with CacheService(cfg), CacheClient(socket_path, timeout=300) as client:
         for key, kv, pos in originals():
             client.put(key, kv, pos)
         pair = paired(args, client, socket_path)
