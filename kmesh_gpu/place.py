@@ -90,15 +90,19 @@ def _check_kv(name: str, kv, layout: KVLayout, device: torch.device) -> torch.Te
     if not isinstance(kv, torch.Tensor):
         raise LayoutError(f"{name}: expected a tensor (2, L, T, H, D), got {type(kv).__name__}")
     L, _, H, _, D = layout.sizes
-    if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[1] != L or kv.shape[3] != H or kv.shape[4] != D:
+    shape = kv.shape
+    if len(shape) != 5 or shape[0] != 2 or shape[1] != L or shape[3] != H or shape[4] != D:
         raise LayoutError(f"{name}: expected (2, L={L}, T, H={H}, D={D}), got {_fmt(kv)}")
-    if storage_dtype(kv.dtype) != layout.storage_dtype:
+    want = layout.storage_dtype
+    dtype = kv.dtype
+    if dtype is not want and storage_dtype(dtype) != want:
         raise LayoutError(f"{name}: expected dtype {layout.dtype} (the cache's), got {_fmt(kv)}")
     if kv.device != device:
         raise LayoutError(f"{name}: expected device {device} (the cache's), got {kv.device}")
     if not kv.is_contiguous():
         raise LayoutError(f"{name}: expected a contiguous tensor, got strides {kv.stride()}")
-    return kv.view(layout.storage_dtype)
+    # a view only where the dtype differs (fp8 as uint8): one tensor object less per item otherwise
+    return kv if dtype is want else kv.view(want)
 
 
 def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool,
@@ -172,6 +176,9 @@ def _host_cat(parts: list[torch.Tensor]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if len(parts) == 1:
         return parts[0].detach().cpu().numpy()
+    # int64 tensors never require grad, so host ones are viewed as numpy arrays directly
+    if all(p.device.type == "cpu" for p in parts):
+        return np.concatenate([p.numpy() for p in parts])
     # one concatenation (and at most one device read) instead of one conversion per item
     return torch.cat([p.detach() for p in parts]).cpu().numpy() if all(p.device == parts[0].device for p in parts) \
         else np.concatenate([p.detach().cpu().numpy() for p in parts])
@@ -186,16 +193,27 @@ def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old
     n, S = len(items), layout.num_slots
     if all_slots.size == 0:
         return
-    valid = all_slots >= 0
-    bad = bool(((all_slots < -1) | (all_slots >= S)).any()) if check_slots else False
+    bad = check_slots and bool(all_slots.min() < -1 or all_slots.max() >= S)
+    valid = None
     if rope is not None and not bad:
         P = rope.num_positions
-        bad = bool((((all_old < 0) | (all_old >= P)) & valid).any() or (((all_new < 0) | (all_new >= P)) & valid).any())
+        # whole-array bounds first (the usual case); positions of skipped tokens are checked only if
+        # that fails, since they are never read
+        if not (all_old.min() >= 0 and all_old.max() < P and all_new.min() >= 0 and all_new.max() < P):
+            valid = all_slots >= 0
+            bad = bool((((all_old < 0) | (all_old >= P)) & valid).any()
+                       or (((all_new < 0) | (all_new >= P)) & valid).any())
     if check_duplicates and not bad:  # two writes to one slot of one cache would race
-        counts = [it.kv.shape[2] for it in items]
-        which = np.repeat(np.asarray(item_cache, dtype=np.int64), counts)
-        key = (which * S + all_slots)[valid]
-        bins = (max(item_cache) + 1) * S
+        if valid is None:
+            valid = all_slots >= 0
+        ncache = max(item_cache) + 1
+        if ncache == 1:
+            key = all_slots[valid]
+        else:
+            counts = [it.kv.shape[2] for it in items]
+            which = np.repeat(np.asarray(item_cache, dtype=np.int64), counts)
+            key = (which * S + all_slots)[valid]
+        bins = ncache * S
         if bins <= max(1 << 24, 16 * key.size):  # a byte map: O(T) writes, one O(bins) count
             seen = np.zeros(bins, dtype=np.uint8)
             seen[key] = 1
@@ -297,6 +315,30 @@ _VEC_PER = 2  # chunks of 8 elements per lane in kmesh_place_vec
 _VEC_LPT = 4  # layers per lane in kmesh_place_vec
 
 
+def _i64(vals) -> np.ndarray:
+    """Addresses (Python ints) as int64 bit patterns."""
+    try:
+        return np.array(vals, dtype=np.int64)
+    except OverflowError:  # an address at or above 2**63: its two's-complement pattern
+        return np.array([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _token_index(counts: tuple[int, ...], row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the per-token tables need from the item sizes alone (read-only; restores repeat them):
+    ``(item_tok_start, tok_item, t_in_item * row, count[tok_item] * row)``."""
+    cnt = np.asarray(counts, dtype=np.int64)
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(cnt, out=starts[1:])
+    total = int(starts[-1])
+    tok_item = np.repeat(np.arange(len(counts), dtype=np.int64), cnt)
+    row_off = (np.arange(total, dtype=np.int64) - starts[:-1][tok_item]) * row
+    step = (cnt * row)[tok_item]
+    for a in (starts, tok_item, row_off, step):
+        a.setflags(write=False)
+    return starts, tok_item, row_off, step
+
+
 def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.device) -> dict:
     """Build the launch tables where the indices live and move them to ``device`` in one copy.
 
@@ -306,41 +348,31 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     """
     keys = list(cache_views)
     L, itemsize = layout.num_layers, layout.storage_dtype.itemsize
-    layer_base = []
+    bases = []
     for key in keys:
         flats, per_layer = cache_views[key]
         if per_layer:
-            layer_base += [f.data_ptr() for f in flats]
+            bases.append(_i64([f.data_ptr() for f in flats]))
         else:
-            base = flats[0].data_ptr()
-            layer_base += [base + l * layout.k_strides[0] * itemsize for l in range(L)]
+            bases.append(flats[0].data_ptr() + np.arange(L, dtype=np.int64) * (layout.k_strides[0] * itemsize))
+    layer_base = bases[0] if len(bases) == 1 else np.concatenate(bases)
     if layout.k_strides[0] != layout.v_strides[0]:
         raise LayoutError("layout: K and V layer strides differ; the kernels address one layer base per layer")
-    counts = [it.kv.shape[2] for it in items]
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    total = starts[-1]
-
-    def i64(vals):  # addresses as int64 bit patterns
-        return np.array([v - (1 << 64) if v >= (1 << 63) else v for v in vals], dtype=np.int64)
-
     st, vt = layout.k_strides, layout.v_strides
+    row = layout.num_kv_heads * layout.head_size * itemsize
+    starts, tok_item, row_off, step = _token_index(tuple(it.kv.shape[2] for it in items), row)
+    total = int(starts[-1])
     kv_ptrs = [it.kv.data_ptr() for it in items]
-    item_cache = [keys.index(it.cache_key) for it in items]
+    item_cache = [keys.index(it.cache_key) for it in items] if len(keys) > 1 else [0] * len(items)
     small = {
-        "kv_ptrs": i64(kv_ptrs),
-        "item_tok_start": np.asarray(starts, dtype=np.int64),
-        "layer_base": i64(layer_base),
+        "kv_ptrs": _i64(kv_ptrs),
+        "item_tok_start": starts,
+        "layer_base": layer_base,
         "item_cache": np.asarray(item_cache, dtype=np.int64),
         "k_st": np.asarray([st[1], st[2], st[3], st[4], layout.k_offset], dtype=np.int64),
         "v_st": np.asarray([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=np.int64),
     }
     slots = np.concatenate([it.slots for it in items]) if len(items) > 1 else items[0].slots
-    cnt = np.asarray(counts, dtype=np.int64)
-    tok_item = np.repeat(np.arange(len(items), dtype=np.int64), cnt)
-    t_in_item = np.arange(total, dtype=np.int64) - small["item_tok_start"][:-1][tok_item]
-    row = layout.num_kv_heads * layout.head_size * itemsize
     N = layout.block_size
     if N & (N - 1) == 0:  # block sizes are powers of two in practice: shifts instead of divisions
         blk, pos = slots >> (N.bit_length() - 1), slots & (N - 1)
@@ -360,11 +392,18 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     np.concatenate(list(small.values()), out=packed[:n_small])
     tok = packed[n_small:].reshape(9, total)
     tok[0] = slots
-    tok[1] = small["kv_ptrs"][tok_item] + t_in_item * row
-    tok[2] = cnt[tok_item] * row
-    tok[3] = layout.k_offset + blk * st[1] + pos * st[3]
-    tok[4] = layout.v_offset + blk * vt[1] + pos * vt[3]
-    tok[5] = small["item_cache"][tok_item] * L
+    np.add(small["kv_ptrs"][tok_item], row_off, out=tok[1])
+    tok[2] = step
+    np.multiply(blk, st[1], out=tok[3])
+    tok[3] += pos * st[3]
+    tok[3] += layout.k_offset
+    np.multiply(blk, vt[1], out=tok[4])
+    tok[4] += pos * vt[3]
+    tok[4] += layout.v_offset
+    if len(keys) > 1:
+        np.multiply(small["item_cache"][tok_item], L, out=tok[5])
+    else:
+        tok[5] = 0
     tok[6], tok[7], tok[8] = old, new, tok_item
     dev_packed = host.to(device, non_blocking=True)
     out, p0 = {}, 0
@@ -373,22 +412,94 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
         p0 += t.size
     tok_dev = dev_packed[p0:].view(9, total)
     out["tok"] = tok_dev
+    out["tok_host"] = tok  # kept for the run table (_Launch); holds the pinned buffer, not a copy
     out["slots"], out["old_pos"], out["new_pos"], out["tok_item"] = tok_dev[0], tok_dev[6], tok_dev[7], tok_dev[8]
     out["total"] = total
-    # 16-byte vector copies are safe when every base, stride and head run is 16-byte aligned
-    align = kv_ptrs + layer_base
-    align += [x * itemsize for x in (st[1], st[2], st[3], vt[1], vt[2], vt[3], layout.k_offset, layout.v_offset)]
-    align.append(layout.head_size * itemsize)
-    out["vec16"] = st[4] == 1 and vt[4] == 1 and all(a % 16 == 0 for a in align)
+    # 16-byte vector copies are safe when every base, stride and head run is 16-byte aligned; the
+    # alignments tested are powers of two, so OR-ing everything and testing once is the same test
+    bits = int(np.bitwise_or.reduce(small["kv_ptrs"])) | int(np.bitwise_or.reduce(layer_base))
+    for x in (st[1], st[2], st[3], vt[1], vt[2], vt[3], layout.k_offset, layout.v_offset, layout.head_size):
+        bits |= x * itemsize
+    out["vec16"] = st[4] == 1 and vt[4] == 1 and bits % 16 == 0
     # 4-element vectors (kmesh_place_vec): D and rd multiples of 8, everything aligned to 4 elements
     rd_ok = rope is None or rope.rotary_dim % 8 == 0
     out["vec4"] = (st[4] == 1 and vt[4] == 1 and layout.head_size % 8 == 0 and rd_ok
-                   and all(a % (4 * itemsize) == 0 for a in align))
+                   and bits % (4 * itemsize) == 0)
     dstr = str(device)
     out["cos_sin"] = rope.cos_sin_fp32(device) if rope is not None else _ones(1, dstr)
     out["fp8_table"] = _fp8_table(dstr)
     out["k_scale"] = scale.to(device) if scale is not None else _ones(L, dstr)
     return out
+
+
+_RUNS = True  # use kmesh_place_runs where it applies (tests and benchmarks switch it off to compare)
+_RUN_COLS = 7  # RunCol in place.cu: first token, length, source address, source step, K/V offsets, cache
+_RUN_GROUPS = 1  # pair groups per lane in kmesh_place_runs (G)
+_RUN_HEADS = 2  # heads per load batch in kmesh_place_runs (HB)
+_RUN_VPL = 4  # 16-byte vectors in flight per lane on plain rows
+_RUN_LAYERS = 1  # layers per load batch (LB): all their loads are issued before any store
+_RUN_UNITS = 4096  # enough warps to fill the GPU before a warp takes several layers
+
+
+def _run_cap(layout: KVLayout, rope, gather: bool) -> int:
+    """Longest run (tokens) for the run kernel, or 0 when the layout or RoPE does not fit it.
+
+    A run's K rows hold ``cap * per_tok`` pair groups, one per lane (``_RUN_GROUPS`` per lane)."""
+    epv = 16 // layout.storage_dtype.itemsize
+    if layout.head_size % epv:
+        return 0
+    # offsets inside a run are 32-bit in the kernel: heads x head stride + tokens x token stride
+    L, B, H, N, D = layout.sizes
+    span = max(abs(st[2]) * H + abs(st[3]) * min(N, 32) + D for st in (layout.k_strides, layout.v_strides))
+    if span >= 1 << 31:
+        return 0
+    if rope is None or gather:
+        return 16
+    rd = rope.rotary_dim
+    per_tok = rd // 2 // epv if rope.is_neox_style else rd // epv
+    if per_tok == 0 or (rope.is_neox_style and (rd // 2) % epv) or rd % epv:
+        return 0
+    return 32 * _RUN_GROUPS // per_tok
+
+
+def _run_rows(slots: np.ndarray, tok_item: np.ndarray, block_size: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split the placed tokens (slot >= 0) into runs: consecutive tokens of one item in consecutive
+    slots of one block, at most ``cap`` long. Returns (first token, length) per run."""
+    n = slots.size
+    valid = slots >= 0
+    cont = np.zeros(n, dtype=bool)
+    if n > 1:
+        cont[1:] = valid[:-1] & (tok_item[1:] == tok_item[:-1]) & (slots[1:] == slots[:-1] + 1) \
+            & (slots[1:] % block_size != 0)
+    start = valid & ~cont
+    first = np.flatnonzero(start)
+    if first.size and cap < block_size:  # split long runs every `cap` tokens
+        idx = np.cumsum(start) - 1
+        off = np.arange(n, dtype=np.int64) - first[np.maximum(idx, 0)]
+        start |= valid & (off % cap == 0)
+        first = np.flatnonzero(start)
+    if first.size == 0:
+        return first, first
+    # a run ends where the next starts or at the first skipped token after it
+    nxt = np.append(first[1:], n)
+    stop = np.flatnonzero(~valid)
+    gap = stop[np.minimum(np.searchsorted(stop, first), max(stop.size - 1, 0))] if stop.size else np.full_like(first, n)
+    gap = np.where(gap > first, gap, n)
+    return first, np.minimum(nxt, gap) - first
+
+
+def _run_table(tok: np.ndarray, block_size: int, cap: int, device: torch.device) -> torch.Tensor | None:
+    """The run kernel's table [R, _RUN_COLS] (RunCol in place.cu) from the host per-token rows, on
+    ``device``; ``None`` when runs average under half of ``cap`` tokens (scattered slots): a warp per
+    run would then leave most of its lanes idle, and the per-token kernel is faster."""
+    first, length = _run_rows(tok[0], tok[8], block_size, cap)
+    if first.size == 0 or 2 * int(length.sum()) < cap * first.size:
+        return None
+    host = torch.empty((first.size, _RUN_COLS), dtype=torch.int64, pin_memory=device.type == "cuda")
+    t = host.numpy()
+    t[:, 0], t[:, 1] = first, length
+    t[:, 2:] = tok[1:6, first].T  # source address, source step, K offset, V offset, cache layer index
+    return host.to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=32)
@@ -406,8 +517,11 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     from ._jit import cupy_stream, get_kernel
 
     dev_id = device.index if device.index is not None else torch.cuda.current_device()
-    vec = tables["vec4"]
     ctype = _CUDA_TYPES[layout.storage_dtype]
+    if tables.get("runs") is not None:
+        _cupy_runs(tables, layout, device, dev_id, ctype, gather=gather, rope=rope)
+        return
+    vec = tables["vec4"]
     names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
         tuple(f"kmesh_place_vec<{t}, {_VEC_PER}, {_VEC_LPT}>" for t in _CUDA_TYPES.values())
     kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}, {_VEC_LPT}>" if vec else f"kmesh_place<{ctype}>"
@@ -447,6 +561,36 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
             cupy.int64(total)) + common + (cupy.int32(int(tables["vec16"])),) + tail)
 
 
+def _cupy_runs(tables, layout: KVLayout, device: torch.device, dev_id: int, ctype: str, *, gather: bool, rope) -> None:
+    """Launch kmesh_place_runs: one warp per (K|V, run, group of layers)."""
+    import cupy
+
+    from ._jit import cupy_stream, get_kernel
+
+    shape = f"{_RUN_GROUPS}, {_RUN_HEADS}, {_RUN_VPL}, {_RUN_LAYERS}"
+    names = tuple(f"kmesh_place_runs<{t}, {shape}>" for t in _CUDA_TYPES.values())
+    kernel = get_kernel("place.cu", f"kmesh_place_runs<{ctype}, {shape}>", device_id=dev_id, name_expressions=names)
+    L, _, H, _, D = layout.sizes
+    runs = tables["runs"]
+    R = runs.shape[0]
+    if R == 0:
+        return
+    groups = min(L, max(1, -(-_RUN_UNITS // (2 * R))))
+    lg = -(-L // groups)
+    units = 2 * R * (-(-L // lg))
+    rd = rope.rotary_dim if rope is not None else 0
+    neox = int(rope.is_neox_style) if rope is not None else 0
+    stream = cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
+    with cupy.cuda.Device(dev_id), stream:
+        kernel((-(-units // 8),), (256,), (
+            runs.data_ptr(), tables["old_pos"].data_ptr(), tables["layer_base"].data_ptr(), cupy.int64(R),
+            cupy.int64(tables["total"]), cupy.int32(L), cupy.int32(lg), cupy.int32(H), cupy.int32(D),
+            cupy.int32(layout.k_strides[2]), cupy.int32(layout.v_strides[2]), cupy.int32(layout.k_strides[3]),
+            cupy.int32(layout.v_strides[3]), cupy.int32(int(gather)), cupy.int32(int(rope is not None)),
+            cupy.int32(neox), cupy.int32(rd), tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(),
+            tables["k_scale"].data_ptr()))
+
+
 class _Launch:
     """A validated placement with its tables uploaded; ``run()`` submits the one launch.
 
@@ -461,6 +605,9 @@ class _Launch:
         self.tables = None
         if not self.empty and self.backend != "torch":
             self.tables = _tables(items, cache_views, layout, rope, scale, device)
+            cap = _run_cap(layout, rope, gather) if _RUNS and self.backend == "cupy" and self.tables["vec16"] else 0
+            if cap:
+                self.tables["runs"] = _run_table(self.tables["tok_host"], layout.block_size, cap, device)
 
     def run(self) -> None:
         if self.empty:

@@ -17,6 +17,7 @@ medians of per-pair ratios are reported. Prints a table, writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import statistics
@@ -27,6 +28,8 @@ import torch
 
 from kmesh_gpu import KVLayout, RopeSpec, _backend, place, place_many
 from kmesh_gpu.place import prepare_place_many
+
+place_mod = importlib.import_module("kmesh_gpu.place")  # the module (the package exports the function `place`)
 
 PAIRS = 7
 
@@ -102,12 +105,18 @@ def seed_case(device: torch.device, backends: list[str], layers: int) -> dict:
     return {"placements": len(kvs), "bytes_moved": moved, "layers": L, "backends": res}
 
 
-def large_case(device: torch.device, backends: list[str], tokens: int, layers: int) -> dict:
+def large_case(device: torch.device, backends: list[str], tokens: int, layers: int, layout_name: str = "LBHNC") -> dict:
+    """``layout_name``: "LBHNC" (K|V packed per token, vLLM's named layouts) or "flash" (vLLM's GPU
+    attention layout, per layer (2, B, N, H, D))."""
     gen = torch.Generator(device=device).manual_seed(1)
     L, H, D, N = layers, 2, 64, 16
     rope = RopeSpec(D, D, 1e6, True, 1 << 20, torch.bfloat16)
-    layout = KVLayout.from_vllm("LBHNC", num_layers=L, num_blocks=tokens // N + 64, block_size=N,
-                                num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    if layout_name == "flash":
+        layout = KVLayout.from_vllm_legacy("first", "NHD", num_layers=L, num_blocks=tokens // N + 64, block_size=N,
+                                           num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    else:
+        layout = KVLayout.from_vllm("LBHNC", num_layers=L, num_blocks=tokens // N + 64, block_size=N,
+                                    num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     kv = torch.randn(2, L, tokens, H, D, generator=gen, device=device).to(torch.bfloat16)
     cache = layout.allocate(device, fill=0)
     slots = (torch.randperm(layout.num_blocks, device=device)[: tokens // N].repeat_interleave(N) * N
@@ -125,6 +134,14 @@ def large_case(device: torch.device, backends: list[str], tokens: int, layers: i
         if backend != "torch":  # the launch alone, validation and tables prepared once
             fns[f"launch[{backend}]"] = prepare_place_many([kv], cache, layout, [slots], rope=rope, old_positions=[old],
                                                            new_positions=[new], backend=backend).run
+        if backend == "cupy":  # the per-token kernel the run kernel replaced, for comparison
+            saved, place_mod._RUNS = place_mod._RUNS, False
+            try:
+                fns["launch[cupy, per-token kernel]"] = prepare_place_many(
+                    [kv], cache, layout, [slots], rope=rope, old_positions=[old], new_positions=[new],
+                    backend=backend).run
+            finally:
+                place_mod._RUNS = saved
     for fn in fns.values():
         fn()
     names = list(fns)
@@ -135,7 +152,7 @@ def large_case(device: torch.device, backends: list[str], tokens: int, layers: i
             order.reverse()
         for n in order:
             times[n].append(run(fns[n]))
-    out = {"tokens": tokens, "kv_bytes": nbytes, "variants": {}}
+    out = {"tokens": tokens, "kv_bytes": nbytes, "layout": layout.name, "variants": {}}
     for n in names:
         ev = statistics.median(t[0] for t in times[n])
         out["variants"][n] = {
@@ -167,6 +184,9 @@ def main() -> None:
         "seed": seed_case(device, backends, layers=4 if cpu else 24),
         "large": large_case(device, backends, tokens=args.large_tokens or (2048 if cpu else 98304),
                             layers=4 if cpu else 24),
+        "large_flash": large_case(device, [b for b in backends if b != "torch"] if not cpu else backends,
+                                  tokens=args.large_tokens or (2048 if cpu else 98304), layers=4 if cpu else 24,
+                                  layout_name="flash"),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,13 +200,14 @@ def main() -> None:
     for b, r in s["backends"].items():
         print(f"| {b} | {r['launch_only_ms']:.4f} | {r['launch_GBps']:.0f} | {r['batched_kernel_ms']:.3f} | "
               f"{r['batched_call_ms']:.3f} | {r['serial_call_ms']:.3f} | {r['serial_over_batched']:.2f} |")
-    g = report["large"]
-    print(f"\nLarge: {g['tokens']} tokens, {g['kv_bytes'] / 2**30:.2f} GiB of KV (read + write = 2x)")
-    print("| variant | GPU span (ms) | GB/s (r+w) | fraction of D2D copy | speed-up vs torch |")
-    print("|---|---|---|---|---|")
-    for n, r in g["variants"].items():
-        print(f"| {n} | {r['kernel_ms']:.3f} | {r['GBps_read_plus_write']:.0f} | {r['ratio_vs_d2d_copy']:.3f} | "
-              f"{r.get('speedup_vs_torch', float('nan')):.1f} |")
+    for key in ("large", "large_flash"):
+        g = report[key]
+        print(f"\nLarge, {g['layout']}: {g['tokens']} tokens, {g['kv_bytes'] / 2**30:.2f} GiB of KV (read + write = 2x)")
+        print("| variant | GPU span (ms) | GB/s (r+w) | fraction of D2D copy | speed-up vs torch |")
+        print("|---|---|---|---|---|")
+        for n, r in g["variants"].items():
+            print(f"| {n} | {r['kernel_ms']:.3f} | {r['GBps_read_plus_write']:.0f} | {r['ratio_vs_d2d_copy']:.3f} | "
+                  f"{r.get('speedup_vs_torch', float('nan')):.1f} |")
     print(f"\nJSON: {out / 'bench_place.json'}")
 
 

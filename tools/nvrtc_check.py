@@ -15,7 +15,8 @@ CSRC = Path(__file__).resolve().parent.parent / "kmesh_gpu" / "csrc"
 # Template instantiations to force per source (kernels that are templates).
 NAME_EXPRESSIONS = {
     "place.cu": [f"kmesh_place<{t}>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")]
-    + [f"kmesh_place_vec<{t}, 2, 4>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")],
+    + [f"kmesh_place_vec<{t}, 2, 4>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")]
+    + [f"kmesh_place_runs<{t}, 1, 2, 4, 2>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")],
 }
 
 

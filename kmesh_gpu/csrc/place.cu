@@ -231,3 +231,207 @@ __global__ void kmesh_place_vec(
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Run kernel: the fast path when every access can be a 16-byte vector (d stride 1, everything
+// 16-byte aligned). A *run* is up to `cap` consecutive tokens of one item that land in consecutive
+// slots of one cache block; its source rows (len * H * D elements per K|V and layer) are contiguous.
+// One warp is one *unit* = (K|V, run, group of layers); units are numbered with K|V slowest.
+//
+// K units with the shift own *pair groups*: a group is (token, first pair) covering CNT pairs —
+// neox: the vector at e0 and its partner at e0 + rd/2, GPT-J: one vector of adjacent pairs. A lane
+// loads the cos/sin of its G groups once into registers and reuses them for every layer and head of
+// the unit, and moves both vectors of a pair itself: no shuffles, no shared memory. The host picks
+// `cap` so that a run has at most 32*G groups. Everything else (V, K without shift, K dims past rd,
+// gather) is copied as consecutive vectors, VPL per lane in flight.
+enum RunCol { RUN_TOK0 = 0, RUN_LEN, RUN_SRC, RUN_STEP, RUN_DST_K, RUN_DST_V, RUN_CACHE, RUN_COLS };
+
+template <int CNT>
+__device__ __forceinline__ void load_floats(float (&out)[CNT], const float* __restrict__ p) {
+    if constexpr (CNT % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < CNT; i += 4) {
+            const float4 f = __ldg(reinterpret_cast<const float4*>(p + i));
+            out[i] = f.x; out[i + 1] = f.y; out[i + 2] = f.z; out[i + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < CNT; i += 2) {
+            const float2 f = __ldg(reinterpret_cast<const float2*>(p + i));
+            out[i] = f.x; out[i + 1] = f.y;
+        }
+    }
+}
+
+template <typename T, int VPL, int LB>
+__device__ __forceinline__ void run_rows(T* __restrict__ src, long long step, const unsigned long long* __restrict__ layer_base,
+                                         long long cache_l, long long dst_off, int l0, int lend, int nvec, int vpt,
+                                         int vph, int s_head, int s_tok, int lane, int skip_e, int gather) {
+    // LB layers x VPL vectors of each lane in flight before any store
+    constexpr int EPV = 16 / (int)sizeof(T);
+    for (int l = l0; l < lend; l += LB) {
+        T* sp[LB];
+        T* dl[LB];
+#pragma unroll
+        for (int j = 0; j < LB; ++j) {
+            const int lj = l + j < lend ? l + j : l;
+            sp[j] = src + lj * step;
+            dl[j] = reinterpret_cast<T*>(layer_base[cache_l + lj]) + dst_off;
+        }
+        for (int base = 0; base < nvec; base += 32 * VPL) {
+            uint4 v[LB][VPL];
+            int off[VPL];
+#pragma unroll
+            for (int k = 0; k < VPL; ++k) {
+                const int i = base + lane + 32 * k;
+                const int n = i / vpt, rem = i - n * vpt, h = rem / vph, e0 = (rem - h * vph) * EPV;
+                off[k] = (i < nvec && e0 >= skip_e) ? h * s_head + n * s_tok + e0 : -1;
+            }
+#pragma unroll
+            for (int j = 0; j < LB; ++j)
+#pragma unroll
+                for (int k = 0; k < VPL; ++k)
+                    if (off[k] >= 0 && l + j < lend)
+                        v[j][k] = gather ? *reinterpret_cast<const uint4*>(dl[j] + off[k])
+                                         : reinterpret_cast<const uint4*>(sp[j])[base + lane + 32 * k];
+#pragma unroll
+            for (int j = 0; j < LB; ++j)
+#pragma unroll
+                for (int k = 0; k < VPL; ++k) {
+                    if (off[k] < 0 || l + j >= lend) continue;
+                    if (gather) reinterpret_cast<uint4*>(sp[j])[base + lane + 32 * k] = v[j][k];
+                    else *reinterpret_cast<uint4*>(dl[j] + off[k]) = v[j][k];
+                }
+        }
+    }
+}
+
+template <typename T, bool NEOX>
+__device__ __forceinline__ void shift_pairs(uint4& a, uint4& b, const float (&c)[4][NEOX ? 16 / sizeof(T) : 8 / sizeof(T)],
+                                            const float* fp8_table, float scale) {
+    constexpr int CNT = NEOX ? 16 / (int)sizeof(T) : 8 / (int)sizeof(T);
+    T* x = reinterpret_cast<T*>(&a);
+    T* y = reinterpret_cast<T*>(&b);
+#pragma unroll
+    for (int q = 0; q < CNT; ++q) {  // pair q: (x[q], y[q]) for neox, (x[2q], x[2q+1]) for GPT-J
+        T* p0 = NEOX ? x + q : x + 2 * q;
+        T* p1 = NEOX ? y + q : x + 2 * q + 1;
+        const float x0 = Elem<T>::load(p0, fp8_table, scale), x1 = Elem<T>::load(p1, fp8_table, scale);
+        const float u0 = __fadd_rn(__fmul_rn(x0, c[0][q]), __fmul_rn(x1, c[1][q]));
+        const float u1 = __fsub_rn(__fmul_rn(x1, c[0][q]), __fmul_rn(x0, c[1][q]));
+        Elem<T>::store(p0, __fsub_rn(__fmul_rn(u0, c[2][q]), __fmul_rn(u1, c[3][q])), scale);
+        Elem<T>::store(p1, __fadd_rn(__fmul_rn(u1, c[2][q]), __fmul_rn(u0, c[3][q])), scale);
+    }
+}
+
+template <typename T, bool NEOX, int G, int HB, int LB>
+__device__ __forceinline__ void run_shift(const T* __restrict__ src, long long step,
+                                          const unsigned long long* __restrict__ layer_base, long long cache_l,
+                                          long long dst_off, int l0, int lend, int len, int H, int D,
+                                          int s_head, int s_tok, int rd, int lane,
+                                          const long long* __restrict__ pos, long long T_total, long long tok0,
+                                          const float* __restrict__ cos_sin, const float* __restrict__ fp8_table,
+                                          const float* __restrict__ k_scale) {
+    constexpr int EPV = 16 / (int)sizeof(T);
+    constexpr int CNT = NEOX ? EPV : EPV / 2;
+    const int half = rd >> 1;
+    const int per_tok = NEOX ? half / EPV : rd / EPV, ngr = len * per_tok;
+    float cs[G][4][CNT];  // cos_old, sin_old, cos_new, sin_new of this lane's pairs
+    int so[G], dof[G];    // offsets inside a run: the host checks that they fit in 32 bits
+    bool gl[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int gi = lane + 32 * g;
+        gl[g] = gi < ngr;
+        const int n = gl[g] ? gi / per_tok : 0, e0 = (gi - n * per_tok) * EPV;
+        so[g] = n * H * D + e0;
+        dof[g] = n * s_tok + e0;
+        if (gl[g]) {
+            const int p0 = NEOX ? e0 : e0 >> 1;
+            const float* po = cos_sin + pos[tok0 + n] * rd + p0;
+            const float* pn = cos_sin + pos[T_total + tok0 + n] * rd + p0;
+            load_floats<CNT>(cs[g][0], po);
+            load_floats<CNT>(cs[g][1], po + half);
+            load_floats<CNT>(cs[g][2], pn);
+            load_floats<CNT>(cs[g][3], pn + half);
+        }
+    }
+    for (int l = l0; l < lend; l += LB) {
+        const T* sp[LB];
+        T* dl[LB];
+        float scale[LB];
+#pragma unroll
+        for (int j = 0; j < LB; ++j) {
+            const int lj = l + j < lend ? l + j : l;
+            sp[j] = src + lj * step;
+            dl[j] = reinterpret_cast<T*>(layer_base[cache_l + lj]) + dst_off;
+            scale[j] = k_scale[lj];
+        }
+        for (int h0 = 0; h0 < H; h0 += HB) {
+            uint4 a[LB][G][HB], b[LB][G][HB];
+#pragma unroll
+            for (int j = 0; j < LB; ++j)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int hh = 0; hh < HB; ++hh)
+                        if (gl[g] && h0 + hh < H && l + j < lend) {  // every load of the batch before any store
+                            const T* s = sp[j] + so[g] + (h0 + hh) * D;
+                            a[j][g][hh] = *reinterpret_cast<const uint4*>(s);
+                            if (NEOX) b[j][g][hh] = *reinterpret_cast<const uint4*>(s + half);
+                        }
+#pragma unroll
+            for (int j = 0; j < LB; ++j)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int hh = 0; hh < HB; ++hh)
+                        if (gl[g] && h0 + hh < H && l + j < lend) {
+                            shift_pairs<T, NEOX>(a[j][g][hh], b[j][g][hh], cs[g], fp8_table, scale[j]);
+                            T* d = dl[j] + dof[g] + (h0 + hh) * s_head;
+                            *reinterpret_cast<uint4*>(d) = a[j][g][hh];
+                            if (NEOX) *reinterpret_cast<uint4*>(d + half) = b[j][g][hh];
+                        }
+        }
+    }
+}
+
+template <typename T, int G, int HB, int VPL, int LB>
+__global__ void kmesh_place_runs(
+    const long long* __restrict__ runs,                  // [R, RUN_COLS] (see RunCol)
+    const long long* __restrict__ pos,                   // [2, T_total] old | new positions (rope only)
+    const unsigned long long* __restrict__ layer_base,   // [n_caches * L] byte address of layer l of cache c
+    long long R, long long T_total, int L, int LG, int H, int D,
+    int head_k, int head_v, int tok_k, int tok_v,
+    int gather, int rope, int neox, int rd,
+    const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
+{
+    constexpr int EPV = 16 / (int)sizeof(T);
+    const int lane = threadIdx.x & 31;
+    const long long unit = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long per_kv = R * ((L + LG - 1) / LG);
+    const int kvsel = (int)(unit / per_kv);
+    if (kvsel > 1) return;  // whole warps leave together
+    const long long rest = unit - kvsel * per_kv, r = rest % R;
+    const int l0 = (int)(rest / R) * LG, lend = min(L, l0 + LG);
+    const long long* row = runs + r * RUN_COLS;
+    const long long tok0 = row[RUN_TOK0], cache_l = row[RUN_CACHE];
+    const long long step = row[RUN_STEP] / (long long)sizeof(T);  // elements per (K|V, layer) plane
+    const int len = (int)row[RUN_LEN];
+    T* src = reinterpret_cast<T*>(row[RUN_SRC]) + (long long)kvsel * L * step;
+    const long long dst_off = row[kvsel ? RUN_DST_V : RUN_DST_K];
+    const int vph = D / EPV, vpt = H * vph, nvec = len * vpt;
+    const int s_head = kvsel ? head_v : head_k, s_tok = kvsel ? tok_v : tok_k;
+    const bool rotate = rope && !gather && kvsel == 0;
+    if (rotate) {
+        if (neox)
+            run_shift<T, true, G, HB, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, len, H, D, s_head, s_tok, rd,
+                                      lane, pos, T_total, tok0, cos_sin, fp8_table, k_scale);
+        else
+            run_shift<T, false, G, HB, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, len, H, D, s_head, s_tok, rd,
+                                       lane, pos, T_total, tok0, cos_sin, fp8_table, k_scale);
+        if (rd == D) return;
+    }
+    run_rows<T, VPL, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, nvec, vpt, vph, s_head, s_tok, lane,
+                         rotate ? rd : 0, gather);
+}

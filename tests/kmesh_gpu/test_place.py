@@ -308,3 +308,77 @@ def test_private_slots_checked_skips_only_the_slot_checks():
     with pytest.raises(LayoutError, match="one destination cache"):
         prepare_place_many([kv, kv], [got, got.clone()], layout, [slots, slots], rope=rope,
                            old_positions=[old, old], new_positions=[new, new], backend="torch", _slots_checked=True)
+
+
+# The run kernel (kmesh_place_runs, the CUDA fast path for 16-byte-aligned layouts) against the
+# per-token kernels and the torch reference: head 64, full and partial rotary dims, both pairings,
+# every dtype, slots in runs that start mid-block and cross block boundaries, padding tokens.
+RUN_ROPES = [(64, True), (32, True), (64, False), (32, False), (None, None)]
+
+
+def _run_kernel_case(dtype, rd, neox, gather_too, device="cuda"):
+    import importlib
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    L, H, D, N, B, T = 3, 2, 64, 16, 12, 45
+    gen = torch.Generator().manual_seed(7)
+    layout = KVLayout.from_vllm("LBHNC", num_layers=L, num_blocks=B, block_size=N, num_kv_heads=H, head_size=D,
+                                dtype=dtype)
+    kv = _segment(dtype, T, gen, L=L, H=H, D=D)
+    # slot 5 .. 5+20 (mid-block start, crosses a block), then a shuffled tail and a padding token
+    slots = torch.cat([torch.arange(5, 25), torch.arange(7 * N + 3, 7 * N + 3 + 24), torch.tensor([-1])])
+    slots = slots[:T].to(torch.int64)
+    slots[30] = -1
+    old = torch.randint(0, MAXPOS, (T,), generator=gen)
+    new = torch.randint(0, MAXPOS, (T,), generator=gen)
+    model_dtype = torch.bfloat16 if dtype == torch.uint8 else dtype
+    rope = RopeSpec(D, rd, 10000.0, neox, MAXPOS, model_dtype) if rd else None
+    k_scale = 0.75 if dtype == torch.uint8 and rope is not None else None
+    kw = dict(rope=rope, old_positions=old.to(device), new_positions=new.to(device)) if rope else {}
+    outs = {}
+    for name, backend, runs in (("torch", "torch", False), ("cupy-tokens", "cupy", False), ("cupy-runs", "cupy", True)):
+        saved = place_mod._RUNS
+        place_mod._RUNS = runs
+        try:
+            cache = layout.allocate(device, fill=0)
+            _bits(cache).fill_(POISON)
+            place(kv.to(device), cache, layout, slots.to(device), k_scale=k_scale, backend=backend, **kw)
+            back = None
+            if gather_too:
+                back = torch.full_like(kv, 0x5A if dtype == torch.uint8 else 7).to(device)
+                gather(cache, layout, slots.to(device), out=back, backend=backend)
+            outs[name] = (_bits(cache).cpu(), None if back is None else _bits(back).cpu())
+        finally:
+            place_mod._RUNS = saved
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rd,neox", RUN_ROPES, ids=[f"rd{r}-{'neox' if n else 'gptj'}" if r else "none"
+                                                    for r, n in RUN_ROPES])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_run_kernel_matches_token_kernels(dtype, rd, neox):
+    outs = _run_kernel_case(DTYPES[dtype], rd, neox, gather_too=rd is None)
+    ref_cache, ref_back = outs["torch"]
+    for name in ("cupy-tokens", "cupy-runs"):
+        cache, back = outs[name]
+        assert torch.equal(ref_cache, cache), f"{name}: {(ref_cache != cache).sum()} bytes differ from torch"
+        if ref_back is not None:
+            assert torch.equal(ref_back, back), f"{name}: gather differs from torch"
+
+
+def test_run_rows_split():
+    """Runs: consecutive tokens of one item in consecutive slots of one block, at most `cap` long."""
+    import numpy as np
+
+    from kmesh_gpu.place import _run_rows
+
+    slots = np.array([32, 33, 34, 35, -1, 36, 37, 47, 48, 49, 5, 6, 7] + list(range(64, 104)), dtype=np.int64)
+    item = np.array([0] * 12 + [1] * 41)
+    first, length = _run_rows(slots, item, 16, 16)
+    assert list(zip(first.tolist(), length.tolist())) == [(0, 4), (5, 2), (7, 1), (8, 2), (10, 2), (12, 1),
+                                                          (13, 16), (29, 16), (45, 8)]
+    first, length = _run_rows(slots, item, 16, 3)
+    assert length.max() == 3 and length.sum() == (slots >= 0).sum()
+    first, length = _run_rows(np.array([-1, -1], dtype=np.int64), np.zeros(2, dtype=np.int64), 16, 8)
+    assert first.size == 0 and length.size == 0
