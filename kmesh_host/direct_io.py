@@ -195,6 +195,10 @@ class ReadEngine:
     :meth:`submit` starts the chunk reads of one range and returns a :class:`RangeRead`; its
     :meth:`RangeRead.chunks` yields each chunk in file order as soon as it is in memory, so the
     caller can start copying it to the GPU while later chunks are still being read.
+    :meth:`start` is its callback form: each chunk reports itself from the reading thread as it
+    lands, in any order, so one caller can keep the chunks of many ranges in flight without a thread
+    per range. Chunks are served first in, first out: ranges started in order are read in order,
+    ``threads`` chunks at a time.
     """
 
     def __init__(self, threads: int = 4, chunk_bytes: int = 1 << 20):
@@ -221,6 +225,42 @@ class ReadEngine:
             b = min(total, a + self.chunk_bytes)
             pieces.append((a, b, self._pool.submit(file.pread_into, buffer[a:b], start + a)))
         return RangeRead(file, name or file.path, lead, length, pieces)
+
+    def start(self, file: DirectFile, offset: int, length: int, buffer: memoryview,
+              on_chunk: Callable[[int, int, BaseException | None], None], *, name: str = "") -> int:
+        """Start reading ``file[offset : offset + length]`` into ``buffer`` (placed as in :meth:`submit`).
+
+        ``on_chunk(lo, hi, error)`` runs on the reading thread once per chunk, as it completes (any
+        order): ``buffer[lo:hi]`` (clipped to the requested bytes) is in memory when ``error`` is
+        ``None``; otherwise ``error`` is the read's StorageError, or an IntegrityError when the file
+        ends inside the range. Returns the number of chunks, i.e. of ``on_chunk`` calls to expect.
+        """
+        lead = offset % ALIGN
+        start = offset - lead
+        total = round_up(lead + length)
+        if len(buffer) < total:
+            raise ValueError(f"buffer: {len(buffer)} bytes cannot hold the aligned range of {total}")
+        end = lead + length
+        label = name or file.path
+        count = 0
+        for a in range(0, total, self.chunk_bytes):
+            b = min(total, a + self.chunk_bytes)
+            self._pool.submit(self._read_chunk, file, buffer[a:b], start + a, a, b, lead, end, label, on_chunk)
+            count += 1
+        return count
+
+    @staticmethod
+    def _read_chunk(file: DirectFile, view: memoryview, file_offset: int, a: int, b: int, lead: int, end: int,
+                    name: str, on_chunk) -> None:
+        try:
+            n = file.pread_into(view, file_offset)
+            if a + n < min(b, end):
+                raise IntegrityError(f"segment {name}: file ends at {a + n} bytes into the read range, "
+                                     f"expected {end} (truncated)")
+        except BaseException as exc:  # reported to the caller, who owns the range
+            on_chunk(max(a, lead), min(b, end), exc)
+            return
+        on_chunk(max(a, lead), min(b, end), None)
 
     def read(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *, name: str = "") -> memoryview:
         """Blocking :meth:`submit`; returns the view of exactly the requested bytes."""

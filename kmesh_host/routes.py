@@ -2,10 +2,14 @@
 
 ``host_staging``: segment file --O_DIRECT reads on a thread pool--> pinned host buffer (the host
 tier's, pooled: released buffers are reused, never pinned again) --async H2D on a copy stream,
-chunk by chunk as the reads land--> device buffer. When an object's last chunk is copied, its
-tree digest is launched on a work stream that waits for the copy's event (a device-side wait, not
-a host one), while the reads of later objects continue. With the tier's retention a resident
-segment skips the read and is copied from RAM in one H2D per object; it was verified when it
+chunk by chunk as the reads land--> device buffer. Every chunk of every missing object is queued
+on the read pool at once, in object order (``HostTier.start_loads``: no thread per object), so the
+pool keeps its queue depth from the first chunk to the last. When an object's last chunk is
+copied, its tree digest is launched on a side stream that waits for the copy's event (a
+device-side wait, not a host one), while the reads of later objects continue; objects that land
+together hash concurrently on separate side streams. With the tier's retention a resident
+segment skips the read and is copied from RAM in one H2D per object, issued before anything else
+so the DMA overlaps the placement preparation; it was verified when it
 entered the tier (the tier's host check, or an earlier restore's device check of a copy of that
 very buffer), so by default it is not hashed again (``trust_verified=False`` re-verifies it on
 the device).
@@ -145,13 +149,21 @@ def _layout_offsets(headers: list[SegmentHeader]) -> tuple[list[int], int]:
 class _Streams:
     """Where one restore's device work runs (see the module docstring).
 
-    ``copy`` takes the H2D copies, ``work`` the digests, the root comparison and placement. Both
-    first wait for the caller's current stream; :meth:`join` makes the caller's stream wait for
-    both. On the CPU there are no streams: every step runs inline, in the order it is issued.
+    ``copy`` takes the H2D copies, ``work`` the root comparison and placement; each object's digest
+    runs on one of a few side streams (:meth:`on_digest`), so digests of objects that land together
+    run at once rather than one after another (a tree digest is latency-bound: a few hundred
+    threads per object leave the GPU mostly idle). All first wait for the caller's current stream;
+    :meth:`join` makes the caller's stream wait for all of them. On the CPU there are no streams:
+    every step runs inline, in the order it is issued.
     """
+
+    SIDE_STREAMS = 4
 
     def __init__(self, device: torch.device):
         self.caller = self.copy = self.work = None
+        self.device = device
+        self._sides: list = []
+        self._next_side = 0
         if device.type == "cuda":
             self.caller = torch.cuda.current_stream(device)
             # From torch's per-device stream pool: nothing is created per call.
@@ -179,10 +191,32 @@ class _Streams:
         if event is not None:
             self.work.wait_event(event)
 
+    def on_digest(self, event):
+        """A context for one object's digest: the next side stream, after ``event`` (its copy)."""
+        if self.work is None:
+            return contextlib.nullcontext()
+        if len(self._sides) < self.SIDE_STREAMS:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(self.caller)
+            self._sides.append(side)
+        else:
+            side = self._sides[self._next_side % self.SIDE_STREAMS]
+        self._next_side += 1
+        if event is not None:
+            side.wait_event(event)
+        return torch.cuda.stream(side)
+
+    def digests_done(self) -> None:
+        """Work issued from now on runs after every digest."""
+        for side in self._sides:
+            self.work.wait_stream(side)
+
     def join(self) -> None:
         if self.caller is not None:
             self.caller.wait_stream(self.copy)
             self.caller.wait_stream(self.work)
+            for side in self._sides:
+                self.caller.wait_stream(side)
 
 
 def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
@@ -264,8 +298,8 @@ class _Verifier:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
-    def landed(self, offset: int, header: SegmentHeader, *, lease=None) -> None:
-        """Object bytes are in ``buffer[offset:]`` for work issued on the work stream from now on."""
+    def landed(self, offset: int, header: SegmentHeader, *, lease=None, event=None) -> None:
+        """Object bytes are in ``buffer[offset:]`` once ``event`` (its copy; ``None``: already) completes."""
         if lease is not None and self.trust and lease.verified:
             self._count(f"trusted: {lease.verified}")
             return
@@ -276,7 +310,7 @@ class _Verifier:
         self._checked.append((offset, header, lease))
         if self.mode == "device":
             self._mark()
-            with self.streams.on_work():
+            with self.streams.on_digest(event):
                 self._roots.append(kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
                                                           leaf_size=header.tree_leaf_size,
                                                           fanout=header.tree_fanout, backend=self.backend))
@@ -300,6 +334,7 @@ class _Verifier:
                     if not _host_root_ok(h, host):
                         bad.append(h.key)
             return time.perf_counter() - self.started, bad
+        self.streams.digests_done()
         with self.streams.on_work():
             if self.mode == "device-batched":
                 params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}
@@ -395,8 +430,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=IO_ENGINE,
                          notes=[IO_ENGINE_NOTE])
     events: queue.SimpleQueue = queue.SimpleQueue()
-    pending = 0  # loads submitted whose "done" event has not been taken yet
-    streams = None
+    pending = 0  # loads started whose "done" event has not been taken yet
+    streams = verifier = None
     read_start = read_end = None
     prepare_s, sources, o_direct_flags, io_notes = 0.0, {}, set(), set()
     landed = [None] * n  # seconds from the call's start to each read object's load completing
@@ -406,31 +441,43 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             leases[i] = tier.acquire_resident(target.key, model_fingerprint=model_fingerprint)
         headers = [lease.header if lease is not None else store.read_header(t.key)
                    for lease, t in zip(leases, targets)]
-        for h in headers:
-            check_fingerprint(h, model_fingerprint)
+        for lease, h in zip(leases, headers):
+            if lease is None:  # resident ones were checked when leased
+                check_fingerprint(h, model_fingerprint)
         if cache is not None:
             _check_placement(targets, headers, rope)
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         streams = _Streams(device)
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
-        # Every missing object loads at once on the tier's loader threads; this thread turns each chunk
-        # that lands into an async H2D copy and each finished object into a digest launch.
+        # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
+        resident = [i for i in range(n) if leases[i] is not None]
+        resident_event = None
+        if resident:
+            with streams.on_copy():
+                for i in resident:
+                    payload = leases[i].payload
+                    buffer[offsets[i]: offsets[i] + payload.numel()].copy_(payload, non_blocking=True)
+            resident_event = streams.copied()  # one event fences every resident buffer
+            for i in resident:
+                leases[i].fence(resident_event)
+        # 2. Missing objects: every chunk of every one is queued on the tier's read pool now, in
+        # order; chunks report as they land and this thread turns each into an async H2D copy and
+        # each finished object into a digest launch, while the other reads go on.
+        missing = [i for i in range(n) if leases[i] is None]
         read_start = time.perf_counter()
-        for i, target in enumerate(targets):
-            if leases[i] is not None:
-                continue
+        if missing:
+            pending = len(missing)
 
-            def on_chunk(chunk, lo, hi, i=i):
-                events.put(("chunk", i, chunk, lo, hi))
+            def on_chunk(j, chunk, lo, hi):
+                events.put(("chunk", missing[j], chunk, lo, hi))
 
-            fut = tier.acquire_async(target.key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
-            fut.add_done_callback(lambda f, i=i: events.put(("done", i, f, time.perf_counter(), None)))
-            pending += 1
-        resident = []
-        for i, lease in enumerate(leases):
-            if lease is not None:
-                resident.append((i, _copy_whole(buffer, offsets[i], lease, streams)))
+            def on_done(j, lease, error):
+                events.put(("done", missing[j], lease, error, time.perf_counter()))
+
+            tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
+                             headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
+        # 3. While the bytes move: the verifier and the placement (validation and launch tables).
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
         kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
         placement = None
         if cache is not None:
@@ -438,12 +485,13 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
                                    backend=backend, streams=streams)
             prepare_s = time.perf_counter() - tp
-        for i, event in resident:
-            sources["hit"] = sources.get("hit", 0) + 1
-            report.bytes_moved += headers[i].padded_length
-            # Digests and placement on the work stream read the object only after its copy.
-            streams.work_after(event)
-            verifier.landed(offsets[i], headers[i], lease=leases[i])
+        if resident:
+            # Digests and placement read the resident objects only after their copies.
+            streams.work_after(resident_event)
+            for i in resident:
+                sources["hit"] = sources.get("hit", 0) + 1
+                report.bytes_moved += headers[i].padded_length
+                verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
         failure = None
         while pending:
             kind, i, item, a, b = events.get()
@@ -458,20 +506,20 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                         failure = exc
                 continue
             pending -= 1
-            try:
-                lease = leases[i] = item.result()
-            except BaseException as exc:
-                failure = failure or exc
+            lease, error, when = item, a, b
+            if error is not None:
+                failure = failure or error
                 continue
+            leases[i] = lease
             if failure is not None:
                 continue
             try:
                 if lease.header.sha256 != header.sha256:
                     raise IntegrityError(f"segment {targets[i].key}: changed on storage during the restore")
                 sources[lease.source] = sources.get(lease.source, 0) + 1
-                landed[i] = a - t0
+                landed[i] = when - t0
                 if lease.source == "read":
-                    read_end = a if read_end is None else max(read_end, a)
+                    read_end = when if read_end is None else max(read_end, when)
                     report.bytes_read += header.padded_length
                     o_direct_flags.add(lease.o_direct)
                     if lease.io_note:
@@ -482,7 +530,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     event = _copy_whole(buffer, off, lease, streams)
                 report.bytes_moved += header.padded_length
                 streams.work_after(event)
-                verifier.landed(off, header, lease=lease)
+                verifier.landed(off, header, lease=lease, event=event)
             except BaseException as exc:
                 failure = exc
         if failure is not None:
@@ -504,16 +552,17 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             streams.join()
         # Loads still in flight after an early error: take their leases so every one is released.
         while pending:
-            kind, i, item, _, _ = events.get()
+            kind, i, item, error, _ = events.get()
             if kind == "done":
                 pending -= 1
-                if item.exception() is None:
-                    leases[i] = item.result()
+                if error is None:
+                    leases[i] = item
         for lease in leases:
             if lease is not None:
                 lease.release()
         if own_tier:
             tier.close()
+    end = time.perf_counter()
     report.objects = n
     report.tier_sources = sources
     report.pinned = tier.pin
@@ -522,11 +571,12 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     report.verification = verifier.description
     report.verified = dict(verifier.counts)
     cfg = tier.config
-    # Objects should land one after another (digests then overlap later reads); ~equal times mean
-    # the reads of all objects were interleaved and every digest falls in the tail.
+    # With reads queued in object order, objects land one after another and each digest overlaps
+    # the later reads; ~equal times mean the disk served all objects' chunks together.
     report.facts["loads_done_s"] = landed
     report.facts["io"] = {"engine": IO_ENGINE, "read_threads": cfg.read_threads, "chunk_bytes": cfg.chunk_bytes,
-                          "queue_depth": cfg.read_threads, "parallel_loads": cfg.parallel_loads}
+                          "queue_depth": cfg.read_threads, "submission": "every chunk of every object at once, "
+                          "in object order, on the read pool (no thread per object)"}
     dst = "cudaMemcpyAsync H2D on a copy stream" if device.type == "cuda" else "host memcpy (no GPU)"
     staging = "pinned host RAM" if tier.pin else "pageable host RAM"
     if sources.get("read"):
@@ -536,7 +586,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     else:
         report.mechanism = f"host tier ({staging}, retained) -> {dst}, one copy per object"
     report.timings = {"read_s": (read_end - read_start) if read_end is not None else 0.0, "verify_s": verify_s,
-                      "prepare_s": prepare_s, "restore_s": time.perf_counter() - t0}
+                      "prepare_s": prepare_s, "tail_s": (end - read_end) if read_end is not None else 0.0,
+                      "restore_s": end - t0}
     return result
 
 

@@ -4,6 +4,10 @@ The first caller of :meth:`SingleFlight.do` for a key runs the function; callers
 runs wait and receive its result, or its exception (each joiner re-raises the same exception
 object, so typed errors such as IntegrityError reach everyone). When the call ends the key is
 forgotten, so the next call runs again: this joins loads in flight, it is not a cache.
+
+A leader that finishes its work on other threads (the host tier's pipelined loads) claims the key
+with :meth:`SingleFlight.lead` and ends the call with :meth:`SingleFlight.settle`; callers of
+:meth:`SingleFlight.do` join such a call exactly as they join one run by ``do``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ class SingleFlight:
                 del self._calls[key]
             call.done.set()
         return call.result, False
+
+    def lead(self, key: Hashable) -> _Call | None:
+        """Claim ``key`` without running anything: the claim (pass it to :meth:`settle`), or ``None``
+        when another execution for ``key`` is in flight (join it with :meth:`do`)."""
+        with self._lock:
+            if key in self._calls:
+                return None
+            call = self._calls[key] = _Call()
+            return call
+
+    def settle(self, key: Hashable, call: _Call, result: Any = None, error: BaseException | None = None) -> None:
+        """End a call claimed with :meth:`lead`: its joiners get ``result`` or ``error``. Call exactly once."""
+        call.result, call.error = result, error
+        with self._lock:
+            if self._calls.get(key) is call:
+                del self._calls[key]
+        call.done.set()
 
     def waiting(self, key: Hashable) -> int:
         """How many callers are waiting on the execution in flight for ``key`` (0 if none)."""

@@ -15,6 +15,11 @@ root on the device from a copy of this very buffer and marked the entry (``HostL
 Routes may then restore a verified resident entry without checking it again; an entry that fails a
 check is evicted, so retention never keeps bad bytes.
 
+Loads: :meth:`HostTier.start_loads` (the routes' path) queues every chunk of every missing object
+on the read pool at once, in key order, and reports chunks and finished objects through callbacks
+from the reading threads: no thread per object, and the pool keeps ``read_threads`` reads in flight
+from the first chunk to the last. :meth:`HostTier.acquire` is the blocking form for one key.
+
 Ownership: the tier owns every buffer. A :class:`HostLease` keeps its entry's buffer alive until
 :meth:`HostLease.release` (or the ``with`` block ends); an async copy that reads a lease's payload is
 recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only after that event.
@@ -22,6 +27,7 @@ recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only af
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -310,6 +316,88 @@ class HostTier:
             raise KmeshError("host tier is closed")
         return self._loader.submit(self.acquire, key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
 
+    def start_loads(self, keys, *, model_fingerprint: ModelFingerprint, on_done: Callable,
+                    on_chunk: Callable | None = None, headers=None) -> None:
+        """Bring ``keys`` into the tier together; ``on_done(i, lease, error)`` reports each of them.
+
+        Resident keys are leased at once (``source="hit"``). For the others every chunk read is
+        queued on the read pool before this returns, in key order, so the reads of all objects are
+        in flight together and the first objects tend to complete first. A key whose load another
+        call is running (singleflight) joins it on a loader thread (``"joined"``).
+
+        ``on_chunk(i, chunk, start, stop)`` runs on a reading thread as each chunk of a key this call
+        reads lands (any order): ``chunk`` is the host tensor of payload bytes ``[start, stop)``.
+        ``on_done(i, lease, error)`` runs exactly once per key, after every ``on_chunk`` of that key
+        has returned, with a lease (the caller must release it) or the error (SegmentNotFound,
+        FingerprintMismatch, IntegrityError, StorageError, BudgetExceeded); it runs on the thread that
+        finished the load, or on this one for keys that fail or hit at once. Neither callback may
+        block or raise. ``headers``: the keys' headers when the caller has read them already.
+        """
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        loads = []
+        for i, key in enumerate(keys):
+            try:
+                lease = self.acquire_resident(key, model_fingerprint=model_fingerprint)
+                if lease is None and not self.store.local:
+                    self._join(i, key, model_fingerprint, on_chunk, on_done)
+                    continue
+                if lease is not None:
+                    on_done(i, lease, None)
+                    continue
+                call = self._flight.lead(key) if self.config.singleflight else None
+                if self.config.singleflight and call is None:  # another call is loading it: join
+                    self._join(i, key, model_fingerprint, on_chunk, on_done)
+                    continue
+            except BaseException as exc:
+                on_done(i, None, exc)
+                continue
+            try:
+                header = headers[i] if headers is not None else self.store.read_header(key)
+                check_fingerprint(header, model_fingerprint)
+                loads.append(_PipelinedLoad(self, i, key, header, call, on_chunk, on_done))
+            except BaseException as exc:
+                if call is not None:
+                    self._flight.settle(key, call, error=exc)
+                on_done(i, None, exc)
+        for load in loads:
+            load.submit()
+
+    def _join(self, i: int, key: str, fingerprint: ModelFingerprint, on_chunk, on_done) -> None:
+        """:meth:`acquire` on a loader thread, reported through ``on_done``."""
+        chunk = None if on_chunk is None else (lambda c, lo, hi: on_chunk(i, c, lo, hi))
+        fut = self._loader.submit(self.acquire, key, model_fingerprint=fingerprint, on_chunk=chunk)
+
+        def done(f):
+            error = f.exception()
+            on_done(i, None if error is not None else f.result(), error)
+
+        fut.add_done_callback(done)
+
+    def _entered(self, key: str, header: SegmentHeader, buf: HostBuffer, lead: int, o_direct: bool, note,
+                 verified) -> _Entry:
+        """A loaded payload enters the tier (when its key is not resident already), leased once."""
+        entry = _Entry(key, header, buf, lead, o_direct, note, verified)
+        with self._lock:
+            if key not in self._entries:
+                entry.in_map = True
+                self._entries[key] = entry
+            entry.refs += 1  # leased before the lock drops: budget pressure cannot take it first
+        return entry
+
+    def _count_read(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self.stats["reads"] += 1
+            self.stats["bytes_read"] += nbytes
+            self.reads_by_key[key] = self.reads_by_key.get(key, 0) + 1
+
+    def _host_check(self, header: SegmentHeader, view) -> str | None:
+        if self.config.verify == "none":
+            return None
+        check_payload(header, view, sha=self.config.verify == "sha256", tree=self.config.verify == "tree")
+        return f"host {'SHA-256' if self.config.verify == 'sha256' else 'kmesh-tree-sha256 root'} " \
+               "when it entered the tier"
+
     def _load(self, key: str, fingerprint: ModelFingerprint, on_chunk) -> _Entry:
         store = self.store
         header = store.read_header(key)
@@ -332,16 +420,8 @@ class HostTier:
                 if on_chunk is not None:
                     on_chunk(buf.tensor[lead: lead + padded], 0, padded)
                 o_direct, note = False, f"{store.filesystem.type_name} filesystem read through pyarrow.fs"
-            with self._lock:
-                self.stats["reads"] += 1
-                self.stats["bytes_read"] += padded
-                self.reads_by_key[key] = self.reads_by_key.get(key, 0) + 1
-            verified = None
-            if self.config.verify != "none":
-                check_payload(header, buf.view[lead: lead + padded], sha=self.config.verify == "sha256",
-                              tree=self.config.verify == "tree")
-                verified = f"host {'SHA-256' if self.config.verify == 'sha256' else 'kmesh-tree-sha256 root'} " \
-                           "when it entered the tier"
+            self._count_read(key, padded)
+            verified = self._host_check(header, buf.view[lead: lead + padded])
         except BaseException:
             with self._lock:
                 self.stats["failures"] += 1
@@ -467,6 +547,78 @@ class HostTier:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _PipelinedLoad:
+    """One key read by :meth:`HostTier.start_loads`: its buffer, its file and its chunks in flight.
+
+    The last chunk to complete (on a reading thread) finishes the load: the entry enters the tier
+    and ``on_done`` gets a lease. A host check configured on the tier runs on a loader thread, so
+    the read pool only ever reads.
+    """
+
+    def __init__(self, tier: HostTier, i: int, key: str, header: SegmentHeader, call, on_chunk, on_done):
+        self.tier, self.i, self.key, self.header, self.call = tier, i, key, header, call
+        self.on_chunk, self.on_done = on_chunk, on_done
+        self.lead = header.payload_offset % 4096
+        self.buf = tier.pool.acquire(self.lead + header.padded_length, name=key)
+        try:
+            self.file = DirectFile(tier.store.local_path(key), direct=tier.config.o_direct)
+        except BaseException:
+            tier.pool.release(self.buf)
+            raise
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        # known before the first chunk can complete
+        self._left = math.ceil(round_up(self.lead + header.padded_length) / tier._engine.chunk_bytes)
+
+    def submit(self) -> None:
+        h = self.header
+        if self._left == 0:  # an empty payload: nothing to read
+            self._left = 1
+            self._chunk(self.lead, self.lead, None)
+            return
+        self.tier._engine.start(self.file, h.payload_offset, h.padded_length, self.buf.view, self._chunk,
+                                name=self.key)
+
+    def _chunk(self, lo: int, hi: int, error: BaseException | None) -> None:
+        if error is None and self.on_chunk is not None and self.error is None:
+            try:
+                self.on_chunk(self.i, self.buf.tensor[lo:hi], lo - self.lead, hi - self.lead)
+            except BaseException as exc:  # the caller's failure fails this load
+                error = exc
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:  # no read writes the buffer any more
+            self.o_direct, self.note = self.file.o_direct, self.file.fallback_reason
+            self.file.close()
+            if self.error is None and self.tier.config.verify != "none":
+                self.tier._loader.submit(self._finish)
+            else:
+                self._finish()
+
+    def _finish(self) -> None:
+        tier, h = self.tier, self.header
+        try:
+            if self.error is not None:
+                raise self.error
+            tier._count_read(self.key, h.padded_length)
+            verified = tier._host_check(h, self.buf.view[self.lead: self.lead + h.padded_length])
+        except BaseException as exc:
+            with tier._lock:
+                tier.stats["failures"] += 1
+            tier.pool.release(self.buf)
+            if self.call is not None:
+                tier._flight.settle(self.key, self.call, error=exc)
+            self.on_done(self.i, None, exc)
+            return
+        entry = tier._entered(self.key, h, self.buf, self.lead, self.o_direct, self.note, verified)
+        if self.call is not None:
+            tier._flight.settle(self.key, self.call, result=entry)
+        self.on_done(self.i, HostLease(tier, entry, "read"), None)
 
 
 __all__ = ["HostTier", "HostTierConfig", "HostLease", "BufferPool"]

@@ -16,8 +16,9 @@ import torch
 
 import kmesh_gpu
 import kmesh_host.routes as routes_mod
+from kmesh_host.direct_io import DirectFile
 from kmesh_gpu import KVLayout, RopeSpec
-from kmesh_gpu.errors import BackendError
+from kmesh_gpu.errors import BackendError, StorageError
 from kmesh_host import (
     FingerprintMismatch,
     HostTier,
@@ -337,6 +338,13 @@ class RecordingStreams:
     def work_after(self, event):
         self.log.append(("wait", event.n))
 
+    def on_digest(self, event):
+        self.log.append(("wait", event.n))
+        return contextlib.nullcontext()
+
+    def digests_done(self):
+        self.log.append(("digests done",))
+
     def join(self):
         self.log.append(("join",))
 
@@ -406,7 +414,11 @@ def test_resident_issue_order_copies_once_per_object(store, segments, recorded):
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.tier_sources == {"hit": 3}
-    assert sum(e[0] == "copy" for e in recorded) == 3  # one H2D per object, no chunking
+    assert result.report.bytes_moved == sum(h.padded_length for h in result.headers)
+    # one block of whole-object copies (no chunking) and one event fencing them, issued before the
+    # placement is prepared so the DMA overlaps the preparation
+    assert sum(e[0] == "copy" for e in recorded) == 1 and sum(e[0] == "event" for e in recorded) == 1
+    assert recorded.index(("copy",)) < recorded.index(("prepare",))
     check_issue_order(recorded, 3, digests=False)  # verified on entry: trusted, not hashed again
     expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
     assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
@@ -467,4 +479,64 @@ def test_verify_none_trusts_nothing_and_marks_nothing(store, segments):
     assert first.report.verified == {"not verified": 3}
     second = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
     assert second.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
+    tier.close()
+
+
+# ------------------------------------------------------------------ pipelined reads
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipelined_reads_land_bit_exact_with_resident_objects_mixed_in(store, segments, device):
+    """One object resident, the others read in 4 KiB chunks interleaved across objects on three
+    threads: every byte equals the host copy, and the cache equals the in-memory path."""
+    layout, cache, targets = cache_and_targets(segments, device, shifted=True)
+    tier = make_tier(store, device, retain=True, read_threads=3, chunk_bytes=4096)
+    with tier.acquire(segments[1][0], model_fingerprint=FP):
+        pass  # resident from now on
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.tier_sources == {"hit": 1, "read": 2}
+    for i, (key, kv, pos) in enumerate(segments):
+        with tier.acquire(key, model_fingerprint=FP) as lease:
+            host = lease.payload.numpy().tobytes()
+        assert result.buffer[result.offsets[i]: result.offsets[i] + len(host)].cpu().numpy().tobytes() == host
+    expect = reference_cache(segments, targets, layout, device, rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    tier.close()
+
+
+def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segments, monkeypatch):
+    """One object's second chunk fails while the other objects' reads go on: the error reaches the
+    caller, the cache is untouched, every lease is released and the good objects stay resident."""
+    bad_path = store.local_path(segments[2][0])
+    real_read = DirectFile.pread_into
+
+    def failing(self, view, offset):
+        if self.path == bad_path and offset >= 8192:
+            raise StorageError(f"read of {self.path} at {offset} failed: injected")
+        return real_read(self, view, offset)
+
+    monkeypatch.setattr(DirectFile, "pread_into", failing)
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    before = cache.clone()
+    tier = make_tier(store, "cpu", retain=True, read_threads=2, chunk_bytes=4096)
+    with pytest.raises(StorageError, match="injected"):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    assert tier.in_flight() == 0 and segments[2][0] not in tier
+    assert tier.pool.in_use_bytes == tier.resident_bytes  # no lease left behind
+    monkeypatch.setattr(DirectFile, "pread_into", real_read)
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.placed and result.report.tier_sources.get("read") == 1
+    tier.close()
+
+
+def test_forced_reads_reuse_the_pooled_buffers(store, segments):
+    tier = make_tier(store, "cpu", retain=True)
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    for _child in range(4):
+        tier.evict()
+        result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
+        assert result.report.tier_sources == {"read": 3}
+    assert tier.stats["reads"] == 12 and tier.pool.allocations == 3  # never allocated (or pinned) again
     tier.close()

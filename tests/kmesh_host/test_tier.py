@@ -25,6 +25,7 @@ from kmesh_host import (
 )
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
 from kmesh_host.tier import BufferPool
+from kmesh_gpu.errors import StorageError
 
 FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
 OBJ = 8192  # padded payload of one test segment: (2, 2, 64, 2, 8) bf16 = 8192 bytes
@@ -435,3 +436,117 @@ def test_store_module_does_not_read_payload_for_headers(store, keys, monkeypatch
     h = store.read_header(keys[0])
     lo, hi = h.payload_offset, h.payload_offset + h.padded_length
     assert all(off + n <= lo or off >= hi for off, n in reads)
+
+
+# ------------------------------------------------------------------ pipelined loads (start_loads)
+class Collector:
+    """Callbacks of one start_loads call: chunks per key and one done per key, checked for order."""
+
+    def __init__(self, n):
+        self.lock = threading.Lock()
+        self.chunks = [[] for _ in range(n)]
+        self.done = [None] * n
+        self.finished = threading.Semaphore(0)
+
+    def on_chunk(self, i, chunk, lo, hi):
+        with self.lock:
+            assert self.done[i] is None  # never a chunk after its key's done
+            self.chunks[i].append((lo, hi, chunk.numpy().tobytes()))
+
+    def on_done(self, i, lease, error):
+        with self.lock:
+            assert self.done[i] is None
+            self.done[i] = (lease, error)
+        self.finished.release()
+
+    def wait(self):
+        for _ in self.done:
+            assert self.finished.acquire(timeout=30)
+        return self.done
+
+
+def test_start_loads_streams_every_object_and_leases_it(store, keys):
+    tier = tier_for(store, read_threads=3, chunk_bytes=4096)
+    col = Collector(len(keys))
+    tier.start_loads(keys, model_fingerprint=FP, on_chunk=col.on_chunk, on_done=col.on_done,
+                     headers=[store.read_header(k) for k in keys])
+    for i, (lease, error) in enumerate(col.wait()):
+        assert error is None and lease.source == "read" and torch.equal(lease.kv, kv_for(i))
+        got = bytearray(OBJ)
+        for lo, hi, data in col.chunks[i]:
+            got[lo:hi] = data
+        assert sorted((lo, hi) for lo, hi, _ in col.chunks[i]) == [(0, 4096), (4096, 8192)]
+        assert bytes(got) == lease.payload.numpy().tobytes()
+        lease.release()
+    assert tier.stats["reads"] == 4 and tier.in_flight() == 0 and sorted(tier.resident()) == sorted(keys)
+    # resident now: hits reported at once, on this thread, without chunks
+    col = Collector(2)
+    tier.start_loads(keys[:2], model_fingerprint=FP, on_chunk=col.on_chunk, on_done=col.on_done)
+    assert [lease.source for lease, _ in col.wait()] == ["hit", "hit"] and col.chunks == [[], []]
+    for lease, _ in col.done:
+        lease.release()
+    tier.close()
+
+
+def test_start_loads_reuses_pooled_buffers(store, keys):
+    tier = tier_for(store)
+    for _child in range(3):
+        tier.evict()
+        col = Collector(len(keys))
+        tier.start_loads(keys, model_fingerprint=FP, on_done=col.on_done)
+        for lease, error in col.wait():
+            assert error is None
+            lease.release()
+    assert tier.stats["reads"] == 12 and tier.pool.allocations == 4  # pinned once, reused after
+    tier.close()
+
+
+def test_start_loads_failure_of_one_object_spares_the_others(store, keys, monkeypatch):
+    """A read error in the middle of one object: that key fails, the rest load, nothing leaks."""
+    real = DirectFile.pread_into
+    bad_path = store.local_path(keys[1])
+
+    def failing(self, view, offset):
+        if self.path == bad_path and offset > 4096:
+            raise StorageError(f"read of {self.path} at {offset} failed: injected")
+        return real(self, view, offset)
+
+    monkeypatch.setattr(DirectFile, "pread_into", failing)
+    tier = tier_for(store, singleflight=True)
+    col = Collector(len(keys))
+    tier.start_loads(keys, model_fingerprint=FP, on_chunk=col.on_chunk, on_done=col.on_done)
+    done = col.wait()
+    assert isinstance(done[1][1], StorageError) and done[1][0] is None
+    for i in (0, 2, 3):
+        lease, error = done[i]
+        assert error is None and torch.equal(lease.kv, kv_for(i))
+        lease.release()
+    assert keys[1] not in tier and tier.stats["failures"] == 1 and tier.in_flight() == 0
+    assert tier.pool.in_use_bytes == tier.resident_bytes  # the failed buffer went back to the pool
+    tier.close()
+
+
+def test_start_loads_joins_a_load_in_flight(store, keys, monkeypatch):
+    tier = tier_for(store, singleflight=True)
+    gate, entered = threading.Event(), threading.Event()
+    real = DirectFile.pread_into
+
+    def gated(self, view, offset):
+        entered.set()
+        assert gate.wait(10)
+        return real(self, view, offset)
+
+    monkeypatch.setattr(DirectFile, "pread_into", gated)
+    first, second = Collector(1), Collector(1)
+    tier.start_loads(keys[:1], model_fingerprint=FP, on_done=first.on_done)
+    assert entered.wait(10)
+    tier.start_loads(keys[:1], model_fingerprint=FP, on_done=second.on_done)
+    wait_until(lambda: tier.waiting(keys[0]) == 1)
+    gate.set()
+    (a, ea), = first.wait()
+    (b, eb), = second.wait()
+    assert ea is None and eb is None and a.source == "read" and b.source == "joined"
+    assert tier.stats["reads"] == 1
+    a.release()
+    b.release()
+    tier.close()
