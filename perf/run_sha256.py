@@ -8,8 +8,10 @@ object (default 1 GiB) for throughput. Methods, each timed end to end (digests r
                         inside the timing; on --device cpu there is nothing to download)
   gpu_naive_serial      the seed's GPU design, one thread per whole object: four calls, one object each
   gpu_naive_concurrent  the same kernel, one call hashing the four objects concurrently
-  gpu_tree              kmesh-tree-sha256/v1 on the GPU (kmesh_gpu.tree_digests, CuPy: one batched
-                        SHA-256 launch per level), 128 digest bytes downloaded
+  gpu_tree              kmesh-tree-sha256/v1 on the GPU (kmesh_gpu.tree_digests, CuPy: the whole
+                        tree of all objects in one launch), 128 digest bytes downloaded
+  gpu_tree_levels       the same by the older CuPy path: one batched SHA-256 launch per tree level
+                        and one for the roots (kept for comparison)
   gpu_tree_warp         the same with the Warp kernels (CUDA), for reference
   warp_cpu_tree         the Warp kernels on the CPU (--device cpu)
   cpu_tree              kmesh_host.tree_digest on all cores over host-resident bytes
@@ -39,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kmesh_gpu import _backend  # noqa: E402
 from kmesh_gpu import sha256 as sha_mod  # noqa: E402
 from kmesh_gpu import tree_digests  # noqa: E402
 from kmesh_host import tree_digest  # noqa: E402
@@ -119,7 +122,13 @@ def make_methods(w: Workload, device: torch.device, big: bool) -> dict:
             return [bytes(r) for r in d.cpu().numpy()]
 
         methods["gpu_tree"] = gpu_tree
-        if not big:
+
+        def gpu_tree_levels():
+            d = sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path="levels")
+            return [bytes(r) for r in d.cpu().numpy()]
+
+        methods["gpu_tree_levels"] = gpu_tree_levels
+        if not big and _backend.has_warp():
             def gpu_tree_warp():
                 d = tree_digests(w.data, w.offsets, w.lengths, backend="warp")
                 return [bytes(r) for r in d.cpu().numpy()]
@@ -266,12 +275,15 @@ def main(argv=None) -> int:
         print_table(big_title, big_rows, reference)
         del big
 
-    device_span = None
+    device_span = levels_span = None
     if device.type == "cuda":
         device_span = gpu_tree_device_span(small, args.trials)
+        levels_span = gpu_tree_device_span(small, args.trials, path="levels")
         print(f"\ngpu_tree device span (CUDA events around the call, no download): median "
               f"{device_span['median_ms']:.3f} ms, min {device_span['min_ms']:.3f} ms; the wall-clock row above "
               f"adds host work and the 128-byte download")
+        print(f"gpu_tree_levels device span: median {levels_span['median_ms']:.3f} ms, "
+              f"min {levels_span['min_ms']:.3f} ms")
 
     targets = {}
     if device.type == "cuda":
@@ -296,6 +308,7 @@ def main(argv=None) -> int:
         "big": {"object_bytes": args.big_mib * MIB, "methods": big_rows} if big_rows else None,
         "targets": {k: {"value": v, "target": TARGETS[k], "met": v >= TARGETS[k]} for k, v in targets.items()},
         "gpu_tree_device_span": device_span,
+        "gpu_tree_levels_device_span": levels_span,
     }
     json_path = args.out / "sha256.json"
     json_path.write_text(json.dumps(result, indent=2))
@@ -304,14 +317,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def gpu_tree_device_span(w, trials: int) -> dict:
-    """Device time of one tree_digests call, from CUDA events recorded around it (no host sync inside)."""
+def gpu_tree_device_span(w, trials: int, path: str = "fused") -> dict:
+    """Device time of one tree_digests call, from CUDA events recorded around it (no host sync inside);
+    ``path`` "fused" is tree_digests itself, "levels" the one-launch-per-level path."""
     spans = []
     for _ in range(trials + 2):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         a.record()
-        tree_digests(w.data, w.offsets, w.lengths, backend="cupy")
+        if path == "fused":
+            tree_digests(w.data, w.offsets, w.lengths, backend="cupy")
+        else:
+            sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path=path)
         b.record()
         torch.cuda.synchronize()
         spans.append(a.elapsed_time(b))

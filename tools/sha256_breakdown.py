@@ -1,5 +1,6 @@
-"""Where the GPU tree digest of 4 x 3 MiB spends its time: per-level kernel time (CUDA events, each
-level synchronised on its own) against the wall time of one tree_digests call and its download.
+"""Where the GPU tree digest of 4 x 3 MiB spends its time: per-level kernel time of the per-level path
+(CUDA events, each level synchronised on its own), the one-launch (fused) kernel alone, and the wall
+time of one call and its download for both paths.
 
 Usage (GPU machine): PYTHONPATH=. python tools/sha256_breakdown.py
 """
@@ -46,20 +47,33 @@ def main() -> None:
     for i, lvl in enumerate(levels):
         print(f"level {i}: {lvl.n_msgs:5d} messages of <= {lvl.piece} B: kernel {statistics.median(per_level[i]):.4f} ms")
     print(f"sum of level kernels: {sum(statistics.median(v) for v in per_level.values()):.4f} ms")
-    walls, calls, downs = [], [], []
+    fused = sha._fused_plan(offs.tobytes(), lens.tobytes(), 4096, 64)
+    spans = []
     for _ in range(20):
+        out = torch.empty((n, 32), dtype=torch.uint8, device=dev)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        d = sha.tree_digests(data, offs, lens, backend="cupy")
-        t1 = time.perf_counter()
-        d.cpu()
-        t2 = time.perf_counter()
-        calls.append((t1 - t0) * 1e3)
-        downs.append((t2 - t1) * 1e3)
-        walls.append((t2 - t0) * 1e3)
-    print(f"tree_digests call returns after {statistics.median(calls):.4f} ms (host issue time); "
-          f"download+sync {statistics.median(downs):.4f} ms; wall {statistics.median(walls):.4f} ms")
-
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        sha._cupy_tree_fused(data, fused, out, 4096, 64)
+        b.record()
+        torch.cuda.synchronize()
+        spans.append(a.elapsed_time(b))
+    print(f"fused: one launch for {fused.n_leaves} leaves and {fused.n_counters} inner nodes: "
+          f"{statistics.median(spans):.4f} ms (events around the launch)")
+    for path in ("fused", "levels"):
+        walls, calls, downs = [], [], []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            d = sha._tree_digests_path(data, offs, lens, path=path)
+            t1 = time.perf_counter()
+            d.cpu()
+            t2 = time.perf_counter()
+            calls.append((t1 - t0) * 1e3)
+            downs.append((t2 - t1) * 1e3)
+            walls.append((t2 - t0) * 1e3)
+        print(f"{path:6s}: call returns after {statistics.median(calls):.4f} ms (host issue time); "
+              f"download+sync {statistics.median(downs):.4f} ms; wall {statistics.median(walls):.4f} ms")
 
 if __name__ == "__main__":
     main()

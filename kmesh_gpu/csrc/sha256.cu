@@ -7,7 +7,11 @@
 //
 // Kernels (all extern "C", launched with 1-D grids of SHA256_THREADS threads):
 //   kmesh_sha256_batched      message i = data[offsets[i] : offsets[i] + lengths[i]], digest -> out[32 i]
-//   kmesh_sha256_tree_level   messages described per object (one tree level of many objects)
+//   kmesh_sha256_tree_fused   whole kmesh-tree-sha256/v1 trees of many objects in ONE launch: a thread
+//                             per leaf; the last child to finish a node hashes that node, and so on
+//                             up to the top, whose thread hashes the root record (the CuPy fast path)
+//   kmesh_sha256_tree_level   messages described per object (one tree level of many objects; the
+//                             older one-launch-per-level path, kept for comparison)
 //   kmesh_sha256_object_naive the seed's design (one thread per whole object, textbook schedule),
 //                             kept only as the baseline perf/run_sha256.py measures against
 
@@ -212,6 +216,220 @@ kmesh_sha256_tree_level(const u8* __restrict__ src, i64 piece, const i64* __rest
     const i64 left = __ldg(src_bytes + lo) - begin;
     const i64 len = left < piece ? left : piece;
     sha256_message(src + __ldg(src_off + lo) + begin, len, out + __ldg(out_off + lo) + 32 * j);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole tree in one launch.
+//
+// One thread per leaf of every object. A thread hashes its leaf, stores the digest in `scratch` (slot
+// `leaf_start[o] + j`), makes it visible (__threadfence) and counts itself in its parent's counter
+// (atomicAdd). The thread that brings a counter to its child count is the last of the siblings: it
+// hashes the parent over the children digests (read from L2 with ld.global.cg: other SMs wrote them in
+// this launch, so neither the non-coherent path nor a possibly stale L1 line may be used), and climbs
+// on. The thread that finishes an object's top (the level with one digest; for a one-leaf object the
+// leaf itself) hashes the 69-byte root record, built in registers, and writes out[32 o].
+// No thread ever waits for another: a parent is computed by whichever child finishes last, so any
+// grid size and any residency are fine.
+//
+// Counters (u32, one per inner node, index = node slot - n_leaves) must be zero at launch. With
+// `reset_counters` the last arriver zeroes its counter again (no other thread touches it after that in
+// this launch), so a buffer left zero by one launch is zero for the next launch on the same stream;
+// otherwise the caller clears them before every launch.
+//
+// table (int64): leaf_start[n_obj + 1] (prefix sums of leaf counts), data_off[n_obj], length[n_obj],
+// lv_at[n_obj] (index into table of the object's first (base slot, count) pair: levels 1, 2, ... up to
+// the top, whose count is 1; unused for one-leaf objects).
+//
+// Every message of one thread goes through one loop with one inlined compression (code size: one
+// copy of the 64 unrolled rounds); a block's 16 words come from the 16-byte-aligned path (the next
+// block's four 16-byte loads in flight during this block's compression), the unaligned word path, the
+// padding path (0..63 trailing bytes, 0x80, length), or the root record.
+
+#define KMESH_LEAF 0
+#define KMESH_NODE 1
+#define KMESH_ROOT 2
+
+__device__ __forceinline__ uint4 load16(const u8* p, bool coherent) {
+    return coherent ? __ldcg((const uint4*)p) : __ldg((const uint4*)p);
+}
+
+__device__ __forceinline__ u32 load8(const u8* p, bool coherent) {
+    return coherent ? (u32)__ldcg(p) : (u32)__ldg(p);
+}
+
+// Block t (0 or 1) after the full blocks of a message: `rem` (0..63) trailing bytes at `tail`, the 0x80
+// marker right after them, zeros, and the 64-bit big-endian bit length in the last block's last 8 bytes.
+__device__ __forceinline__ void padding_block(u32 w[16], const u8* tail, int rem, int t, u64 bits,
+                                              bool last, bool coherent) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        u32 x = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int i = 4 * k + b;
+            u32 byte = 0;
+            if (t == 0) byte = (i < rem) ? load8(tail + i, coherent) : (i == rem ? 0x80u : 0u);
+            x |= byte << (24 - 8 * b);
+        }
+        w[k] = x;
+    }
+    if (last) {
+        w[14] = (u32)(bits >> 32);
+        w[15] = (u32)bits;
+    }
+}
+
+// Byte i (0..127) of the padded root message: "kmesh-tree-sha256/v1" 0x00 u64le(L) u32le(leaf_size)
+// u32le(fanout) top[32], then 0x80, zeros and the bit length 69 * 8 = 552. With i a compile-time
+// constant (unrolled loops) every branch folds away.
+__device__ __forceinline__ u32 root_byte(int i, const u32 top[8], u64 length, u32 leaf_size, u32 fanout) {
+    const u32 domain[5] = {0x6b6d6573u, 0x682d7472u, 0x65652d73u, 0x68613235u, 0x362f7631u};
+    if (i < 20) return (domain[i >> 2] >> (24 - 8 * (i & 3))) & 0xffu;
+    if (i == 20) return 0u;
+    if (i < 29) return (u32)(length >> (8 * (i - 21))) & 0xffu;
+    if (i < 33) return (leaf_size >> (8 * (i - 29))) & 0xffu;
+    if (i < 37) return (fanout >> (8 * (i - 33))) & 0xffu;
+    if (i < 69) {
+        const int q = i - 37;
+        return (top[q >> 2] >> (24 - 8 * (q & 3))) & 0xffu;
+    }
+    if (i == 69) return 0x80u;
+    if (i < 126) return 0u;
+    return i == 126 ? (552u >> 8) : (552u & 0xffu);
+}
+
+template <int T>
+__device__ __forceinline__ void root_block(u32 w[16], const u32 top[8], u64 length, u32 leaf_size, u32 fanout) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        u32 x = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) x |= root_byte(64 * T + 4 * k + b, top, length, leaf_size, fanout) << (24 - 8 * b);
+        w[k] = x;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SHA256_THREADS)
+kmesh_sha256_tree_fused(const u8* __restrict__ data,     // payload bytes
+                        const i64* __restrict__ table,   // described above
+                        i64 n_obj, i64 n_leaves, i64 leaf_size, i64 fanout,
+                        u8* scratch,                     // [32 x slots] leaf and node digests
+                        u32* counters,                   // [inner nodes], zero at launch
+                        u8* __restrict__ out,            // [n_obj, 32] roots
+                        int reset_counters)
+{
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_leaves) return;
+    const i64* leaf_start = table;
+    const i64* data_off = table + n_obj + 1;
+    const i64* length = data_off + n_obj;
+    const i64* lv_at = length + n_obj;
+    i64 lo = 0, hi = n_obj - 1;                          // last object with leaf_start[o] <= i
+    while (lo < hi) {
+        const i64 mid = (lo + hi + 1) >> 1;
+        if (__ldg(leaf_start + mid) <= i) lo = mid; else hi = mid - 1;
+    }
+    const i64 o = lo;
+    const i64 base0 = __ldg(leaf_start + o);
+    const i64 total = __ldg(length + o);
+
+    // Current message and where it sits in the tree: node `idx` of a level of `count` nodes whose
+    // digests live in slots base, base + 1, ...; `lv` points at the next level's (base, count).
+    i64 idx = i - base0, base = base0, count = __ldg(leaf_start + o + 1) - base0;
+    const i64* lv = table + __ldg(lv_at + o);
+    const i64 begin = idx * leaf_size;
+    const i64 left = total - begin;
+    const u8* msg = data + __ldg(data_off + o) + begin;
+    i64 len = left < leaf_size ? left : leaf_size;
+    int kind = KMESH_LEAF;
+    bool coherent = false;
+    bool vec = ((u64)msg & 15u) == 0;
+    i64 nfull = len >> 6;
+    i64 nblk = (len + 72) >> 6;                          // with the padding: 1 or 2 more blocks
+    u32 st[8], top[8];
+    sha256_init(st);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) top[k] = 0;
+    uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0, v2 = v0, v3 = v0;
+    if (vec && nfull > 0) {
+        v0 = load16(msg, false); v1 = load16(msg + 16, false); v2 = load16(msg + 32, false); v3 = load16(msg + 48, false);
+    }
+#pragma unroll 1
+    for (i64 b = 0;;) {
+        u32 w[16];
+        if (b < nfull) {
+            if (vec) {
+                words_from_vec(w, v0, v1, v2, v3);
+                if (b + 1 < nfull) {
+                    const u8* q = msg + ((b + 1) << 6);
+                    v0 = load16(q, coherent); v1 = load16(q + 16, coherent);
+                    v2 = load16(q + 32, coherent); v3 = load16(q + 48, coherent);
+                }
+            } else {
+                // Leaves only (nodes are 16-byte aligned): aligned words realigned with one PRMT each,
+                // as in sha256_full_blocks.
+                const u64 addr = (u64)(msg + (b << 6));
+                const u32 s = (u32)(addr & 3u);
+                const u32 sel = (s + 3u) | ((s + 2u) << 4) | ((s + 1u) << 8) | (s << 12);
+                const u32* p = (const u32*)(addr & ~(u64)3);
+                u32 x = __ldg(p);
+#pragma unroll
+                for (int k = 0; k < 16; ++k) {
+                    const u32 y = (k < 15 || s != 0u) ? __ldg(p + k + 1) : 0u;
+                    w[k] = __byte_perm(x, y, sel);
+                    x = y;
+                }
+            }
+        } else if (kind != KMESH_ROOT) {
+            padding_block(w, msg + (nfull << 6), (int)(len & 63), (int)(b - nfull), (u64)len << 3,
+                          b + 1 == nblk, coherent);
+        } else if (b == 0) {
+            root_block<0>(w, top, (u64)total, (u32)leaf_size, (u32)fanout);
+        } else {
+            root_block<1>(w, top, (u64)total, (u32)leaf_size, (u32)fanout);
+        }
+        sha256_compress(st, w);
+        if (++b < nblk) continue;
+
+        // The message is done.
+        if (kind == KMESH_ROOT) {
+            store_digest(out + 32 * o, st);
+            return;
+        }
+        if (count == 1) {                                // the top: hash the root record next
+#pragma unroll
+            for (int k = 0; k < 8; ++k) top[k] = st[k];
+            sha256_init(st);
+            kind = KMESH_ROOT;
+            nfull = 0; nblk = 2; b = 0;
+            continue;
+        }
+        uint4* slot = (uint4*)(scratch + 32 * (base + idx));
+        slot[0] = make_uint4(bswap32(st[0]), bswap32(st[1]), bswap32(st[2]), bswap32(st[3]));
+        slot[1] = make_uint4(bswap32(st[4]), bswap32(st[5]), bswap32(st[6]), bswap32(st[7]));
+        const i64 parent = idx / fanout;
+        const i64 first = parent * fanout;
+        const i64 c = count - first < fanout ? count - first : fanout;
+        const i64 next_base = __ldg(lv), next_count = __ldg(lv + 1);
+        lv += 2;
+        u32* ctr = counters + (next_base - n_leaves + parent);
+        __threadfence();                                 // this digest before the count (release)
+        const u32 seen = atomicAdd(ctr, 1u);
+        if (seen != (u32)(c - 1)) return;                // a sibling is still running: it climbs
+        if (reset_counters) *(volatile u32*)ctr = 0u;
+        __threadfence();                                 // the siblings' digests after the count
+        msg = scratch + 32 * (base + first);
+        len = 32 * c;
+        kind = KMESH_NODE;
+        coherent = true;
+        vec = true;
+        idx = parent; base = next_base; count = next_count;
+        sha256_init(st);
+        nfull = len >> 6; nblk = (len + 72) >> 6; b = 0;
+        if (nfull > 0) {
+            v0 = load16(msg, true); v1 = load16(msg + 16, true); v2 = load16(msg + 32, true); v3 = load16(msg + 48, true);
+        }
+    }
 }
 
 // Baseline only: the seed's GPU SHA-256 design, one thread per whole object, byte loads and a
