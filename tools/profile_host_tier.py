@@ -1,0 +1,90 @@
+"""Where a host-tier restore (12 MiB child from retained pinned RAM, placed with the RoPE shift)
+spends its time: wall per child, then cProfile of 40 children (top functions by own and cumulative
+time), then a CUDA-event view of the device side of one child.
+
+Usage (GPU machine): PYTHONPATH=. python tools/profile_host_tier.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+import run_ssd_routes as rs  # noqa: E402
+
+from kmesh_host import HostTier, HostTierConfig  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
+        work = rs.Workload(wargs, device)
+        cfg = HostTierConfig(budget_bytes=64 * rs.MIB, pin=device.type == "cuda", retain=True, singleflight=False,
+                             verify="none", read_threads=16, chunk_bytes=rs.MIB, parallel_loads=4)
+        lines = []
+        with HostTier(work.store, cfg) as tier:
+            work.child("host_staging", 0, tier, verify="device", evict=False)
+            for _ in range(10):
+                work.child("host_staging", 1, tier, verify="device", evict=False)
+            walls, prep = [], []
+            for c in range(40):
+                r = work.child("host_staging", c % 4, tier, verify="device", evict=False)
+                walls.append(r["restore_s"] * 1e3)
+                prep.append(r["prepare_s"] * 1e3)
+            lines.append(f"host-tier restore: median {statistics.median(walls):.3f} ms (min {min(walls):.3f}); "
+                         f"placement preparation median {statistics.median(prep):.3f} ms")
+            prof = cProfile.Profile()
+            prof.enable()
+            for c in range(40):
+                work.child("host_staging", c % 4, tier, verify="device", evict=False)
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
+                lines.append(s.getvalue())
+            if device.type == "cuda":  # device side: event span of one child vs its wall
+                spans = []
+                for c in range(9):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    a.record()
+                    work.child("host_staging", c % 4, tier, verify="device", evict=False)
+                    b.record()
+                    torch.cuda.synchronize()
+                    spans.append((a.elapsed_time(b), (time.perf_counter() - t) * 1e3))
+                lines.append("event span / wall per child (ms): "
+                             + ", ".join(f"{e:.3f}/{w:.3f}" for e, w in spans))
+                # device activity of 5 children: copies (pinned or pageable) and kernels, by total time
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    for c in range(5):
+                        work.child("host_staging", c % 4, tier, verify="device", evict=False)
+                    torch.cuda.synchronize()
+                lines.append(p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+                names = sorted({e.name for e in p.events() if "Memcpy" in e.name or "memcpy" in e.name})
+                lines.append("copy kinds seen: " + "; ".join(names))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "profile_host_tier.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
