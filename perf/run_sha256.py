@@ -8,10 +8,12 @@ object (default 1 GiB) for throughput. Methods, each timed end to end (digests r
                         inside the timing; on --device cpu there is nothing to download)
   gpu_naive_serial      the seed's GPU design, one thread per whole object: four calls, one object each
   gpu_naive_concurrent  the same kernel, one call hashing the four objects concurrently
-  gpu_tree              kmesh-tree-sha256/v1 on the GPU (kmesh_gpu.tree_digests, CuPy: the whole
-                        tree of all objects in one launch), 128 digest bytes downloaded
-  gpu_tree_levels       the same by the older CuPy path: one batched SHA-256 launch per tree level
-                        and one for the roots (kept for comparison)
+  gpu_tree              kmesh-tree-sha256/v1 on the GPU (kmesh_gpu.tree_digests as a user calls it,
+                        CuPy: under 256 MiB the whole tree of all objects in one launch, from 256 MiB
+                        one launch per level), the digest bytes downloaded
+  gpu_tree_fused        the one-launch path forced (same as gpu_tree under 256 MiB)
+  gpu_tree_levels       the one-launch-per-level path forced: one batched SHA-256 launch per tree
+                        level and one for the roots
   gpu_tree_warp         the same with the Warp kernels (CUDA), for reference
   warp_cpu_tree         the Warp kernels on the CPU (--device cpu)
   cpu_tree              kmesh_host.tree_digest on all cores over host-resident bytes
@@ -122,6 +124,13 @@ def make_methods(w: Workload, device: torch.device, big: bool) -> dict:
             return [bytes(r) for r in d.cpu().numpy()]
 
         methods["gpu_tree"] = gpu_tree
+
+        def gpu_tree_fused():
+            d = sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path="fused")
+            return [bytes(r) for r in d.cpu().numpy()]
+
+        if big:  # under 256 MiB gpu_tree is this path already
+            methods["gpu_tree_fused"] = gpu_tree_fused
 
         def gpu_tree_levels():
             d = sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path="levels")
