@@ -29,6 +29,11 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   consecutive stages (client: start, built, sent, received; service: received, parsed, validated,
   resolved, prepared, launched, completed, reply_sent; one monotonic clock for both processes).
 
+* Polling: by default client and service poll their sockets briefly before sleeping in ``recv``
+  where the machine has cores to spare (``CacheClient(reply_spin_s=)``,
+  ``ServiceConfig.receive_spin_s``); ``--reply-spin-s`` / ``--receive-spin-s`` set them (0: off),
+  for comparisons. The values used are in the report.
+
 Usage: ``python perf/bench_service.py [--device cpu|cuda] [--out perf/out/]``. Prints a table and
 writes ``bench_service_<device>.json`` into ``--out``.
 """
@@ -52,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kmesh_gpu import KVLayout, RopeSpec, place_many  # noqa: E402
 from kmesh_host.service import CacheClient, CacheService, RestoreItem, ServiceConfig, SharedCache  # noqa: E402
+from kmesh_host.service import protocol  # noqa: E402
 
 LAYERS, HEADS, HEAD, SEGMENTS, SEG_TOKENS, PROMPT, BLOCK = 24, 2, 64, 4, 104, 512, 16
 
@@ -110,12 +116,12 @@ def _alloc(layout, device):
     return None, t, t
 
 
-def _client_proc(socket_path: str, device: str, rounds: int, barrier, out) -> None:
+def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, barrier, out) -> None:
     errors, times = [], []
     try:
         layout, plan = child_layout(), child_plan()
         shared, registrable, _ = _alloc(layout, device)
-        with CacheClient(socket_path, timeout=300) as c:
+        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s) as c:
             reg = c.register(registrable, layout, rope=child_rope())
             items = [RestoreItem(k, s, p) for k, s, p in plan]
             barrier.wait(timeout=300)
@@ -210,7 +216,8 @@ def concurrent(args, client, socket_path) -> dict:
     ctx = mp.get_context("spawn")
     before = client.status()
     barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client_proc, args=(socket_path, args.device, args.rounds, barrier, out))
+    procs = [ctx.Process(target=_client_proc,
+                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, barrier, out))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -256,12 +263,18 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-runs", type=int, default=21, help="restores with a per-stage breakdown (0: none)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--reply-spin-s", type=float, default=None,
+                    help="CacheClient(reply_spin_s=...): seconds to poll for a reply (default: auto)")
+    ap.add_argument("--receive-spin-s", type=float, default=None,
+                    help="ServiceConfig.receive_spin_s: seconds to poll for a request (default: auto)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
-    cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30)
-    with CacheService(cfg), CacheClient(socket_path, timeout=300) as client:
+    cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30, receive_spin_s=args.receive_spin_s)
+    with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s) as client:
+        spins = {"reply_spin_s": client.reply_spin_s,
+                 "receive_spin_s": protocol.spin_default(args.receive_spin_s, 2e-3)}
         for key, kv, pos in originals():
             client.put(key, kv, pos)
         pair = paired(args, client, socket_path)
@@ -271,7 +284,7 @@ def main(argv=None) -> int:
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
-              "paired": pair, "concurrent": conc,
+              "polling": spins, "paired": pair, "concurrent": conc,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_service_{args.device}.json")
@@ -279,6 +292,7 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=2)
     print(f"cache service restore, seed-size child ({SEGMENTS}x{SEG_TOKENS} tokens, {LAYERS} layers, bf16) "
           f"on {args.device} ({dev_name})")
+    print(f"polling: client {spins['reply_spin_s'] * 1e6:.0f} us, service {spins['receive_spin_s'] * 1e6:.0f} us")
     print(f"{'path':<14}{'median ms':>12}")
     print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
     print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")

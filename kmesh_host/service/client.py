@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kmesh_gpu.errors import LayoutError, ProtocolError, ServiceError
+from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import protocol
 from .memory import MemoryHandle, SharedCache, export_cuda
@@ -58,10 +58,20 @@ class Registration:
     layout: object
     handle: MemoryHandle
     cache: torch.Tensor = field(repr=False)
+    #: the cache's device; CUDA memory: requests carry the client's interprocess event
+    device: torch.device = field(init=False, repr=False)
+    is_cuda: bool = field(init=False, repr=False)
+    #: ``secret`` as raw bytes for binary requests (``None``: not hex, so no service accepts it)
+    secret_bytes: bytes | None = field(init=False, repr=False)
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.cache.device.type == "cuda"
+    def __post_init__(self):
+        # looked up once: every restore needs both, and a tensor's device is not free to ask for
+        self.device = self.cache.device
+        self.is_cuda = self.device.type == "cuda"
+        try:
+            self.secret_bytes = bytes.fromhex(self.secret)
+        except (TypeError, ValueError):
+            self.secret_bytes = None
 
 
 def _ints(name: str, values) -> list[int]:
@@ -89,19 +99,34 @@ def _int64(name: str, values) -> np.ndarray:
     return a
 
 
+def _joined(arrays: list) -> np.ndarray:
+    if not arrays:
+        return np.empty(0, dtype=np.int64)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 class CacheClient:
     """A connection to the cache service at ``socket_path``.
 
     ``timeout``: seconds any single reply may take (synchronous copies included).
+    ``reply_spin_s``: how long to poll for a reply without sleeping before a blocking wait (0: never
+    poll; ``None``: 2 ms where the machine has cores to spare, see :func:`.protocol.spin_default`).
+    A restore is answered within about a millisecond, sooner than a thread asleep in ``recv`` is
+    woken; polling costs this thread's core for that long (the GIL is released between polls). A
+    request polls only when the previous reply came within that time, so a busy service (replies
+    that queue) is waited for asleep.
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
-                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None):
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
+        self.timeout = timeout
+        self.reply_spin_s = protocol.spin_default(reply_spin_s, 2e-3)
+        self._last_reply_ns = 0  # how long the previous reply took after its request was sent
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._events: dict[int, tuple[torch.cuda.Event, str]] = {}  # reg id -> (event, IPC handle hex)
+        self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # reg id -> (event, IPC handle)
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -117,41 +142,60 @@ class CacheClient:
         """Send one request and return its reply; a typed error reply is raised as its class."""
         return self._call(dict(header), body)
 
-    def _call(self, header: dict, body: bytes = b"", *, event_for=None, stamps: dict | None = None) -> protocol.Message:
-        """``event_for``: a GPU registration whose event is recorded (and named in ``wait_event``)
-        under the connection lock, so no other request of this connection can re-record it before
-        the service has queued its wait on it. ``stamps``: collect client-side timestamps
-        (``built``, ``sent``, ``received``; monotonic ns) and ask the service for its own."""
+    def _call(self, header: dict, body: bytes = b"", *, event_for=None) -> protocol.Message:
+        """One JSON request and its reply. ``event_for``: a GPU registration whose event is recorded
+        (and named in ``wait_event``) under the connection lock, so no other request of this
+        connection can re-record it before the service has queued its wait on it."""
+        def build(rid, event):
+            header["id"] = rid
+            if event is not None:
+                header["wait_event"] = event.hex()
+            return [protocol.encode(header, body, max_body_bytes=self.max_body_bytes)]
+
+        rid, flags, buf, reply_body = self._exchange(header.get("op"), build, event_for)
+        if flags & protocol.FLAG_BINARY:
+            raise ProtocolError(f"reply to {header.get('op')!r}: a binary frame where JSON was expected")
+        reply = protocol.Message(protocol.decode_header(memoryview(buf)[:len(buf) - len(reply_body)]), reply_body)
+        self._check_reply(reply.header, rid)
+        return reply
+
+    def _exchange(self, op: str, build, event_for=None, stamps: dict | None = None):
+        """Send the frame ``build(request id, event handle or None)`` returns (a list of buffers)
+        and read the reply frame: ``(request id, flags, buffer, body)``. ``stamps``: client-side
+        timestamps ``built``, ``sent``, ``received`` (monotonic ns)."""
         with self._lock:
             if self._sock is None:
                 raise ServiceError("CacheClient: closed")
             rid = next(self._ids)
-            header["id"] = rid
-            if event_for is not None and event_for.is_cuda:
-                header["wait_event"] = self._record_event(event_for)
+            event = self._record_event(event_for) if event_for is not None and event_for.is_cuda else None
+            parts = build(rid, event)
             if stamps is not None:
-                header["timings"] = True
+                stamps["built"] = time.monotonic_ns()
             try:
-                frame = protocol.encode(header, body, max_body_bytes=self.max_body_bytes)
+                protocol.send_parts(self._sock, parts)
+                sent = time.monotonic_ns()
+                spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
+                flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes,
+                                                       frame_timeout=self.timeout, spin_s=spin)
+                received = time.monotonic_ns()
+                self._last_reply_ns = received - sent
                 if stamps is not None:
-                    stamps["built"] = time.monotonic_ns()
-                self._sock.sendall(frame)
-                if stamps is not None:
-                    stamps["sent"] = time.monotonic_ns()
-                reply = protocol.read_message(self._sock, max_body_bytes=self.max_body_bytes)
-                if stamps is not None:
-                    stamps["received"] = time.monotonic_ns()
+                    stamps["sent"], stamps["received"] = sent, received
             except (OSError, protocol.ConnectionClosed) as exc:
-                raise ServiceError(f"cache service connection lost during {header.get('op')!r}: {exc}") from exc
-        if reply.header.get("id") != rid:
-            raise ProtocolError(f"reply id {reply.header.get('id')!r} does not match request {rid}")
+                raise ServiceError(f"cache service connection lost during {op!r}: {exc}") from exc
+        return rid, flags, buf, body
+
+    @staticmethod
+    def _check_reply(header: dict, rid: int) -> None:
+        """Raise a JSON reply's typed error (with the operation id, if any, as ``exc.op_id``)."""
+        if header.get("id") != rid:
+            raise ProtocolError(f"reply id {header.get('id')!r} does not match request {rid}")
         try:
-            protocol.raise_for_reply(reply.header)
+            protocol.raise_for_reply(header)
         except Exception as exc:
-            err = reply.header.get("error") or {}
+            err = header.get("error") or {}
             exc.op_id = err.get("op")
             raise
-        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -170,16 +214,16 @@ class CacheClient:
     def _auth(reg: Registration) -> dict:
         return {"reg": reg.reg_id, "secret": reg.secret}
 
-    def _record_event(self, reg: Registration) -> str:
+    def _record_event(self, reg: Registration) -> bytes:
         """Record this connection's interprocess event of ``reg`` after the calling thread's queued
-        work; returns its IPC handle (hex). Created once: opening an IPC event costs the service far
+        work; returns its IPC handle (64 bytes). Created once: opening an IPC event costs the service far
         more than a record costs here. Called with ``_lock`` held."""
         entry = self._events.get(reg.reg_id)
-        stream = torch.cuda.current_stream(reg.cache.device)
+        stream = torch.cuda.current_stream(reg.device)
         if entry is None:
             event = torch.cuda.Event(interprocess=True)
             event.record(stream)  # first record creates it on the cache's device, then the handle
-            entry = self._events[reg.reg_id] = (event, bytes(event.ipc_handle()).hex())
+            entry = self._events[reg.reg_id] = (event, bytes(event.ipc_handle()))
         else:
             entry[0].record(stream)
         return entry[1]
@@ -255,32 +299,46 @@ class CacheClient:
         handed to the socket right after).
         """
         stamps = {"start": time.monotonic_ns()} if timings else None
-        described, slots, new_positions = [], [], []
-        for it in items:
+        if reg.secret_bytes is None or len(reg.secret_bytes) != protocol.SECRET_BYTES:
+            raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
+        keys, slot_counts, position_counts, slots, new_positions = [], [], [], [], []
+        for i, it in enumerate(items):
             if not isinstance(it, RestoreItem):
                 it = RestoreItem(*it)
+            if type(it.key) is not str:
+                raise ProtocolError(f"items[{i}].key: expected str, got {type(it.key).__name__}")
             s = _int64("slots", it.slots)
+            keys.append(it.key)
             slots.append(s)
+            slot_counts.append(s.shape[0])
             if it.new_positions is None:
-                described.append({"key": it.key, "slots": len(s)})
+                position_counts.append(None)
             else:
                 p = _int64("new_positions", it.new_positions)
                 new_positions.append(p)
-                described.append({"key": it.key, "slots": len(s), "new_positions": len(p)})
-        arrays = {"slots": np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)}
-        if new_positions:
-            arrays["new_positions"] = np.concatenate(new_positions)
-        tensors, body = protocol.pack_int64(arrays)
-        header = {"op": "restore", "reg": reg.reg_id, "secret": reg.secret, "items": described, "tensors": tensors,
-                  "wait": wait, "timeout": timeout}
-        if model_fingerprint is not None:
-            header["model_fingerprint"] = model_fingerprint
-        if inject:
-            header["inject"] = inject
-        reply = self._call(header, body, event_for=reg, stamps=stamps)
+                position_counts.append(p.shape[0])
+        all_slots = _joined(slots)
+        all_new = _joined(new_positions)
+        keys, slot_counts, position_counts = tuple(keys), tuple(slot_counts), tuple(position_counts)
+
+        def build(rid, event):
+            return protocol.encode_restore(protocol.RestoreRequest(
+                rid, reg.reg_id, reg.secret_bytes, keys, slot_counts, position_counts, all_slots, all_new, wait=wait,
+                timeout=timeout, timings=timings, wait_event=event, model_fingerprint=model_fingerprint,
+                inject=inject or None), max_body_bytes=self.max_body_bytes)
+
+        rid, flags, buf, body = self._exchange("restore", build, reg, stamps)
+        raw = memoryview(buf)[:len(buf) - len(body)]
+        if not flags & protocol.FLAG_BINARY:  # a typed error reply
+            header = protocol.decode_header(raw)
+            self._check_reply(header, rid)
+            raise ProtocolError(f"reply to 'restore': JSON success {header!r} where a binary reply was expected")
+        reply = protocol.decode_restore_reply(raw, body)
+        if reply.request_id != rid:
+            raise ProtocolError(f"reply id {reply.request_id} does not match request {rid}")
         if stamps is not None:
-            self.last_timings = {"client": stamps, "service": reply.header.get("timings") or {}}
-        return int(reply.header["op"])
+            self.last_timings = {"client": stamps, "service": reply.timings or {}}
+        return reply.op_id
 
     def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
              timeout: float | None = None, inject: dict | None = None) -> int:

@@ -1,29 +1,37 @@
 """Wire format of the cache service: versioned, length-prefixed frames with a maximum size.
 
-A frame is a fixed 16-byte prefix, a UTF-8 JSON header (an object) and an optional binary body::
+A frame is a fixed 16-byte prefix, a header and an optional binary body::
 
-    magic  b"KMSH" | version u16 | flags u16 (0) | header_len u32 | body_len u32     (little endian)
+    magic  b"KMSH" | version u16 | flags u16 | header_len u32 | body_len u32     (little endian)
 
-Requests carry ``{"op": str, "id": int, ...}``; replies carry ``{"id": int, "ok": true, ...}`` or
-``{"id": int, "ok": false, "error": {"code": str, "message": str}}``. Error codes map to the KMesh
-exception classes in :data:`ERROR_CODES`, so a client re-raises the same typed error the service
-raised. Tensors travel in the body, described by ``{"dtype", "shape", "offset", "nbytes"}`` entries
-in the header (see :func:`pack_tensors`); so do the int64 index arrays of restore and save requests
-(slots, positions), which would cost a JSON number per token each way otherwise.
+``flags`` 0: the header is a UTF-8 JSON object. Requests carry ``{"op": str, "id": int, ...}``;
+replies carry ``{"id": int, "ok": true, ...}`` or ``{"id": int, "ok": false, "error": {"code": str,
+"message": str}}``. Error codes map to the KMesh exception classes in :data:`ERROR_CODES`, so a
+client re-raises the same typed error the service raised. Tensors travel in the body, described by
+``{"dtype", "shape", "offset", "nbytes"}`` entries in the header (see :func:`pack_tensors`); so do
+the int64 index arrays of save requests.
+
+``flags`` :data:`FLAG_BINARY`: the header is a fixed little-endian binary layout. Only the hot
+path uses it: the restore request (:func:`encode_restore` / :func:`decode_restore`) and its success
+reply (:func:`encode_restore_reply` / :func:`decode_restore_reply`); a failed restore is answered
+with a JSON error reply like any other request.
 
 Version 2: restore and save requests carry their index arrays in the body (version 1 sent JSON lists).
+Version 3: restore requests and their success replies are binary frames (version 2 sent JSON headers).
 
-A frame whose prefix is wrong (bad magic, unknown version, a length over the limit) cannot be
-skipped safely, so the receiver answers with an error and closes the connection; a frame that is
-well delimited but whose header is not valid JSON is answered with an error and the connection
-stays usable.
+A frame whose prefix is wrong (bad magic, unknown version or flags, a length over the limit) cannot
+be skipped safely, so the receiver answers with an error and closes the connection; a frame that is
+well delimited but whose header does not parse is answered with an error and the connection stays
+usable.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +50,9 @@ from kmesh_gpu.errors import (
 )
 
 MAGIC = b"KMSH"
-VERSION = 2
+VERSION = 3
+#: ``flags`` bit of a frame whose header is a fixed binary layout (restore requests and replies)
+FLAG_BINARY = 1
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 #: Default body limit: one message carries at most one upload of an original (a few MiB at seed size).
@@ -86,7 +96,7 @@ class Message:
 
 def encode(header: dict, body: bytes | bytearray | memoryview = b"", *,
            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
-    """One frame. Raises :class:`ProtocolError` when the header or body exceeds the limits."""
+    """One JSON frame. Raises :class:`ProtocolError` when the header or body exceeds the limits."""
     raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header: {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
@@ -108,21 +118,65 @@ def _recv_exact(sock: socket.socket, view: memoryview, got: int) -> None:
         got += k
 
 
-def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               frame_timeout: float | None = None) -> tuple[bytearray, memoryview]:
-    """Read one frame's raw header and body (see :func:`read_message`; :func:`decode_header` parses).
+#: Polling for a frame wants a core for each side; with fewer usable CPUs than this it delays the
+#: peer that is to answer more than the wake-up latency it saves, so ``None`` (auto) means no polling.
+MIN_CPUS_TO_SPIN = 4
 
-    Two reads in the common case: the prefix (waiting without limit, or the socket's own timeout,
-    for its first byte), then header and body together. The socket's timeout is switched to
-    ``frame_timeout`` only when a frame arrives in pieces, and put back afterwards.
+
+def spin_default(spin_s: float | None, auto_s: float) -> float:
+    """``spin_s`` as given, or for ``None`` ``auto_s`` where at least :data:`MIN_CPUS_TO_SPIN` CPUs
+    are usable by this process (else 0)."""
+    if spin_s is not None:
+        return max(0.0, float(spin_s))
+    return auto_s if len(os.sched_getaffinity(0)) >= MIN_CPUS_TO_SPIN else 0.0
+
+
+def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_while=None) -> int:
+    """Poll for the first bytes of ``view`` without sleeping for up to ``spin_s`` seconds.
+
+    Returns the byte count read (0: end of stream) or -1 when nothing came in time. A thread asleep
+    in ``recv`` wakes well after the data arrives (scheduler and idle-state exit latency), which a
+    sub-millisecond request cannot afford; the socket's own timeout is put back afterwards. Each
+    empty poll yields the CPU, so that on a busy core the peer that is to answer runs first; polling
+    also stops as soon as ``spin_while()`` (when given) is false.
     """
     idle_timeout = sock.gettimeout()
+    sock.settimeout(0.0)  # non-blocking: recv_into returns at once instead of polling first
+    try:
+        deadline = time.monotonic() + spin_s
+        while True:
+            try:
+                return sock.recv_into(view, len(view))
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() >= deadline or (spin_while is not None and not spin_while()):
+                    return -1
+                os.sched_yield()
+    finally:
+        sock.settimeout(idle_timeout)
+
+
+def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               frame_timeout: float | None = None, spin_s: float = 0.0,
+               spin_while=None) -> tuple[int, bytearray, memoryview]:
+    """Read one frame: ``(flags, buffer, body)``, ``buffer`` being the raw header and the body
+    together (``body`` a view of its tail); :func:`decode_header` or :func:`decode_restore` parse it.
+
+    Two reads in the common case: the prefix (waiting without limit, or the socket's own timeout,
+    for its first byte; polling without sleeping for up to ``spin_s`` first, while ``spin_while()``
+    holds when given), then header and body
+    together. The socket's timeout is switched to ``frame_timeout`` only when a frame arrives in
+    pieces, and put back afterwards. Raises :class:`ConnectionClosed` at end of stream and
+    :class:`FatalFrameError` when the prefix is invalid (the caller must close).
+    """
     prefix = bytearray(PREFIX.size)
     pview = memoryview(prefix)
-    try:
-        k = sock.recv_into(pview, PREFIX.size)
-    except socket.timeout as exc:
-        raise ConnectionClosed("idle timeout") from exc
+    k = _recv_spinning(sock, pview, spin_s, spin_while) if spin_s > 0 else -1
+    idle_timeout = sock.gettimeout()
+    if k < 0:
+        try:
+            k = sock.recv_into(pview, PREFIX.size)
+        except socket.timeout as exc:
+            raise ConnectionClosed("idle timeout") from exc
     if k == 0:
         raise ConnectionClosed("connection closed")
     switched = False
@@ -137,7 +191,7 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             raise FatalFrameError(f"frame: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
         if version != VERSION:
             raise FatalFrameError(f"frame: protocol version {version}, this service speaks {VERSION}")
-        if flags != 0:
+        if flags & ~FLAG_BINARY:
             raise FatalFrameError(f"frame: unknown flags {flags:#x}")
         if header_len > MAX_HEADER_BYTES or header_len == 0:
             raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
@@ -159,7 +213,7 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     finally:
         if switched:
             sock.settimeout(idle_timeout)
-    return buf, view[header_len:]
+    return flags, buf, view[header_len:]
 
 
 def decode_header(raw) -> dict:
@@ -176,19 +230,29 @@ def decode_header(raw) -> dict:
 
 def read_message(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  frame_timeout: float | None = None) -> Message:
-    """Read one frame. Waits without limit for its first byte, then at most ``frame_timeout`` per read.
+    """Read one JSON frame. Waits without limit for its first byte, then at most ``frame_timeout`` per read.
 
     Raises :class:`ConnectionClosed` at end of stream, :class:`FatalFrameError` when the prefix is
     invalid (the caller must close), and :class:`ProtocolError` for a well-delimited frame whose
-    header is not a JSON object (the connection stays usable).
+    header is not a JSON object, or is binary (the connection stays usable).
     """
-    buf, body = read_frame(sock, max_body_bytes=max_body_bytes, frame_timeout=frame_timeout)
+    flags, buf, body = read_frame(sock, max_body_bytes=max_body_bytes, frame_timeout=frame_timeout)
+    if flags & FLAG_BINARY:
+        raise ProtocolError("frame: expected a JSON header, got a binary frame")
     return Message(decode_header(memoryview(buf)[:len(buf) - len(body)]), body)
 
 
 def send_message(sock: socket.socket, header: dict, body: bytes | bytearray | memoryview = b"", *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     sock.sendall(encode(header, body, max_body_bytes=max_body_bytes))
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
+    """Send a frame given as byte buffers (``bytes`` or byte-format memoryviews: prefix and header,
+    then arrays) with one ``sendmsg`` in the common case, without joining them first."""
+    sent = sock.sendmsg(parts)
+    if sent < sum(len(p) for p in parts):  # the socket buffer was full: send the rest in order
+        sock.sendall(b"".join(parts)[sent:])
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -312,3 +376,258 @@ def unpack_tensor(descr: dict, body: bytes, name: str) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     raw = bytearray(body[offset:offset + nbytes])
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------- binary restore
+#: Fixed part of a binary restore request's header (little endian): kind u16 (:data:`KIND_RESTORE`),
+#: bits u16 (``BIT_*``), n_items u32, id i64, reg i64, secret 32 bytes, timeout f64 (with
+#: :data:`BIT_TIMEOUT`, else 0), keys_len u32, extras_len u32. Then, in this order: the client's
+#: CUDA IPC event handle (64 bytes, with :data:`BIT_EVENT`); int32[n_items, 3] (each item's key
+#: length in bytes, slot count, new-position count or -1 for an item restored without a shift);
+#: the keys (UTF-8, end to end, ``keys_len`` bytes); the extras (a JSON object with
+#: ``model_fingerprint`` and/or ``inject``, ``extras_len`` bytes, 0: none); zero padding to a
+#: multiple of 8 bytes, so that the body's arrays are aligned. The body: every item's int64 slots
+#: end to end, then the int64 new positions of the shifted items end to end.
+RESTORE_REQUEST = struct.Struct("<HHIqq32sdII")
+#: A binary restore reply's header: kind u16 (:data:`KIND_RESTORE`), bits u16 (:data:`BIT_TIMINGS`
+#: or 0), state u32 (index in :data:`OP_STATES`), id i64, op i64; then, with :data:`BIT_TIMINGS`,
+#: int64[8]: the service's :data:`RESTORE_STAGES` timestamps (-1: the stage was not reached). No body.
+RESTORE_REPLY = struct.Struct("<HHIqq")
+_STAMPS = struct.Struct("<8q")
+KIND_RESTORE = 1
+BIT_WAIT, BIT_TIMINGS, BIT_TIMEOUT, BIT_EVENT = 1, 2, 4, 8
+_REQUEST_BITS = BIT_WAIT | BIT_TIMINGS | BIT_TIMEOUT | BIT_EVENT
+SECRET_BYTES = 32
+EVENT_HANDLE_BYTES = 64
+MAX_RESTORE_ITEMS = 1 << 16
+MAX_KEY_BYTES = 4096
+#: the longest timeout a binary restore may ask for (beyond it, thread waits overflow)
+MAX_TIMEOUT_S = 1e6
+_EXTRAS = ("model_fingerprint", "inject")
+RESTORE_STAGES = ("received", "parsed", "validated", "resolved", "prepared", "launched", "completed", "reply_sent")
+OP_STATES = ("submitting", "pending", "drained")
+_ZERO_PAD = bytes(8)
+
+
+@dataclass(eq=False)
+class RestoreRequest:
+    """One restore request, as the client builds it and as :func:`decode_restore` returns it.
+
+    ``keys``, ``slot_counts``, ``position_counts``: one entry per item (``position_counts[i]``
+    ``None``: item ``i`` is restored without a RoPE shift). ``slots``: int64[sum(slot_counts)], the
+    items' destination slots end to end; ``new_positions``: int64[sum of the position counts].
+    Decoded arrays are views of the received frame. ``secret``: the registration's 32 raw bytes;
+    ``wait_event``: the client's 64-byte CUDA IPC event handle or ``None``; ``timeout``: seconds or
+    ``None``; ``model_fingerprint``, ``inject``: JSON objects or ``None``.
+    """
+
+    request_id: int
+    reg_id: int
+    secret: bytes
+    keys: tuple
+    slot_counts: tuple
+    position_counts: tuple
+    slots: np.ndarray
+    new_positions: np.ndarray
+    wait: bool = True
+    timeout: float | None = None
+    timings: bool = False
+    wait_event: bytes | None = None
+    model_fingerprint: dict | None = None
+    inject: dict | None = None
+
+
+@dataclass(frozen=True)
+class RestoreReply:
+    """A successful restore's reply: the operation id and state, and the service's stage timestamps
+    (monotonic ns by :data:`RESTORE_STAGES` name) when the request asked for them."""
+
+    request_id: int
+    op_id: int
+    state: str
+    timings: dict | None = None
+
+
+def _byte_view(a: np.ndarray) -> memoryview:
+    return memoryview(a).cast("B")
+
+
+def encode_restore(req: RestoreRequest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list:
+    """The frame of ``req`` as byte buffers for :func:`send_parts` (the index arrays are not copied
+    when they already are contiguous little-endian int64). Raises :class:`ProtocolError` for a
+    request the service would refuse to parse."""
+    n = len(req.keys)
+    if not 1 <= n <= MAX_RESTORE_ITEMS:
+        raise ProtocolError(f"items: expected 1..{MAX_RESTORE_ITEMS} restore items, got {n}")
+    if len(req.slot_counts) != n or len(req.position_counts) != n:
+        raise ProtocolError(f"items: {n} keys, {len(req.slot_counts)} slot counts, {len(req.position_counts)} "
+                            "position counts")
+    if len(req.secret) != SECRET_BYTES:
+        raise ProtocolError(f"secret: expected {SECRET_BYTES} bytes, got {len(req.secret)}")
+    raw_keys = [k.encode("utf-8") for k in req.keys]
+    counts = [-1 if c is None else c for c in req.position_counts]
+    try:
+        if max(map(len, raw_keys)) > MAX_KEY_BYTES or min(req.slot_counts) < 0 or min(counts) < -1:
+            raise ProtocolError(f"items: key over {MAX_KEY_BYTES} bytes or a negative count")
+        table = struct.pack(f"<{3 * n}i", *[v for row in zip(map(len, raw_keys), req.slot_counts, counts) for v in row])
+    except (TypeError, struct.error) as exc:
+        raise ProtocolError(f"items: counts must be int32 ({exc})") from exc
+    slots = np.ascontiguousarray(req.slots, dtype="<i8")
+    new = np.ascontiguousarray(req.new_positions, dtype="<i8")
+    n_slots, n_new = sum(req.slot_counts), sum(c for c in counts if c > 0)
+    if slots.ndim != 1 or new.ndim != 1 or slots.shape[0] != n_slots or new.shape[0] != n_new:
+        raise ProtocolError(f"slots/new_positions: the items count {n_slots} and {n_new}, the arrays hold "
+                            f"{list(slots.shape)} and {list(new.shape)}")
+    bits = BIT_WAIT * bool(req.wait) | BIT_TIMINGS * bool(req.timings)
+    timeout = 0.0
+    if req.timeout is not None:
+        timeout = float(req.timeout)
+        if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ProtocolError(f"timeout: expected 0..{MAX_TIMEOUT_S:g} seconds, got {req.timeout!r}")
+        bits |= BIT_TIMEOUT
+    event = b""
+    if req.wait_event is not None:
+        if len(req.wait_event) != EVENT_HANDLE_BYTES:
+            raise ProtocolError(f"wait_event: a CUDA IPC event handle has {EVENT_HANDLE_BYTES} bytes, "
+                                f"got {len(req.wait_event)}")
+        bits |= BIT_EVENT
+        event = bytes(req.wait_event)
+    keys = b"".join(raw_keys)
+    extras = {k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None}
+    raw_extras = json.dumps(extras, separators=(",", ":"), allow_nan=False).encode("utf-8") if extras else b""
+    end = RESTORE_REQUEST.size + len(event) + len(table) + len(keys) + len(raw_extras)
+    header_len = end + (-end % 8)
+    body_len = 8 * (n_slots + n_new)
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header: {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    if body_len > max_body_bytes:
+        raise ProtocolError(f"body: {body_len} bytes exceeds the limit of {max_body_bytes}")
+    try:
+        fixed = RESTORE_REQUEST.pack(KIND_RESTORE, bits, n, req.request_id, req.reg_id, req.secret, timeout,
+                                     len(keys), len(raw_extras))
+    except struct.error as exc:
+        raise ProtocolError(f"restore: a field is out of range ({exc})") from exc
+    out = [b"".join((PREFIX.pack(MAGIC, VERSION, FLAG_BINARY, header_len, body_len), fixed, event, table, keys,
+                     raw_extras, _ZERO_PAD[:header_len - end]))]
+    if n_slots:
+        out.append(_byte_view(slots))
+    if n_new:
+        out.append(_byte_view(new))
+    return out
+
+
+def binary_request_id(raw) -> int | None:
+    """The request id of a binary frame's header when it is long enough to hold one (for the error
+    reply to a request that did not parse), else ``None``."""
+    if len(raw) < 16:
+        return None
+    rid = struct.unpack_from("<q", raw, 8)[0]
+    return rid if rid >= 0 else None
+
+
+def decode_restore(raw, body) -> RestoreRequest:
+    """Parse and check a binary restore request (``raw``: its header, ``body``: its body, as split
+    by :func:`read_frame`). Every length, count and bit is checked; raises :class:`ProtocolError`
+    naming the first field that is wrong. What the values mean (registration, keys, slot ranges) is
+    the service's to check."""
+    if len(raw) < RESTORE_REQUEST.size:
+        raise ProtocolError(f"binary frame: a {len(raw)}-byte header, a restore request's fixed part alone "
+                            f"has {RESTORE_REQUEST.size}")
+    kind, bits, n, rid, reg, secret, timeout, keys_len, extras_len = RESTORE_REQUEST.unpack_from(raw)
+    if kind != KIND_RESTORE:
+        raise ProtocolError(f"binary frame: unknown kind {kind}")
+    if bits & ~_REQUEST_BITS:
+        raise ProtocolError(f"restore: unknown bits {bits & ~_REQUEST_BITS:#x}")
+    if not 1 <= n <= MAX_RESTORE_ITEMS:
+        raise ProtocolError(f"items: expected 1..{MAX_RESTORE_ITEMS} restore items, got {n}")
+    if rid < 0:
+        raise ProtocolError(f"id: {rid} is negative")
+    if reg < 0:
+        raise ProtocolError(f"reg: {reg} is negative")
+    if bits & BIT_TIMEOUT:
+        if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ProtocolError(f"timeout: expected 0..{MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
+    elif timeout != 0.0:
+        raise ProtocolError("timeout: set, but the request says it has none")
+    off = RESTORE_REQUEST.size
+    event = None
+    if bits & BIT_EVENT:
+        event = bytes(raw[off:off + EVENT_HANDLE_BYTES])
+        off += EVENT_HANDLE_BYTES
+    end = off + 12 * n + keys_len + extras_len
+    header_len = end + (-end % 8)
+    if len(raw) != header_len:
+        raise ProtocolError(f"restore: a {len(raw)}-byte header, its {n} items, {keys_len} bytes of keys and "
+                            f"{extras_len} of extras need {header_len}")
+    if any(raw[end:header_len]):
+        raise ProtocolError("restore: non-zero padding")
+    table = struct.unpack_from(f"<{3 * n}i", raw, off)
+    key_lens, slot_counts, position_counts = table[0::3], table[1::3], table[2::3]
+    if min(key_lens) < 0 or max(key_lens) > MAX_KEY_BYTES:
+        i = next(i for i, k in enumerate(key_lens) if not 0 <= k <= MAX_KEY_BYTES)
+        raise ProtocolError(f"items[{i}]: key length {key_lens[i]} outside 0..{MAX_KEY_BYTES}")
+    if sum(key_lens) != keys_len:
+        raise ProtocolError(f"keys: the items' key lengths add up to {sum(key_lens)} bytes, the header says {keys_len}")
+    if min(slot_counts) < 0:
+        raise ProtocolError(f"items[{next(i for i, c in enumerate(slot_counts) if c < 0)}].slots: negative count")
+    if min(position_counts) < -1:
+        raise ProtocolError(f"items[{next(i for i, c in enumerate(position_counts) if c < -1)}].new_positions: "
+                            "count below -1")
+    n_slots = sum(slot_counts)
+    n_new = sum(c for c in position_counts if c > 0)
+    if len(body) != 8 * (n_slots + n_new):
+        raise ProtocolError(f"body: {len(body)} bytes, the items' {n_slots} slots and {n_new} new positions "
+                            f"need {8 * (n_slots + n_new)}")
+    off += 12 * n
+    blob = bytes(raw[off:off + keys_len])
+    keys, start = [], 0
+    try:
+        for length in key_lens:
+            keys.append(blob[start:start + length].decode("utf-8"))
+            start += length
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"items[{len(keys)}].key: not valid UTF-8 ({exc})") from exc
+    extras = {}
+    if extras_len:
+        extras = decode_header(raw[off + keys_len:end])
+        for k, v in extras.items():
+            if k not in _EXTRAS:
+                raise ProtocolError(f"restore extras: unknown field {k!r}")
+            if v is not None and not isinstance(v, dict):
+                raise ProtocolError(f"{k}: expected an object, got {type(v).__name__}")
+    return RestoreRequest(
+        rid, reg, secret, tuple(keys), slot_counts,
+        position_counts if min(position_counts) >= 0 else tuple(None if c < 0 else c for c in position_counts),
+        np.frombuffer(body, dtype="<i8", count=n_slots),
+        np.frombuffer(body, dtype="<i8", count=n_new, offset=8 * n_slots),
+        wait=bool(bits & BIT_WAIT), timeout=timeout if bits & BIT_TIMEOUT else None,
+        timings=bool(bits & BIT_TIMINGS), wait_event=event,
+        model_fingerprint=extras.get("model_fingerprint"), inject=extras.get("inject"))
+
+
+def encode_restore_reply(request_id: int, op_id: int, state: str, stamps: dict | None = None) -> bytes:
+    """The binary frame answering a successful restore (``stamps``: :data:`RESTORE_STAGES` by name)."""
+    head = RESTORE_REPLY.pack(KIND_RESTORE, 0 if stamps is None else BIT_TIMINGS, OP_STATES.index(state),
+                              request_id, op_id)
+    if stamps is not None:
+        head += _STAMPS.pack(*[stamps.get(k, -1) for k in RESTORE_STAGES])
+    return PREFIX.pack(MAGIC, VERSION, FLAG_BINARY, len(head), 0) + head
+
+
+def decode_restore_reply(raw, body) -> RestoreReply:
+    """Parse and check a binary restore reply (see :func:`encode_restore_reply`)."""
+    if len(raw) < RESTORE_REPLY.size:
+        raise ProtocolError(f"reply: a {len(raw)}-byte binary header, a restore reply has at least "
+                            f"{RESTORE_REPLY.size}")
+    kind, bits, state, rid, op_id = RESTORE_REPLY.unpack_from(raw)
+    if kind != KIND_RESTORE or bits & ~BIT_TIMINGS:
+        raise ProtocolError(f"reply: unknown binary kind {kind} or bits {bits:#x}")
+    want = RESTORE_REPLY.size + (_STAMPS.size if bits & BIT_TIMINGS else 0)
+    if len(raw) != want or len(body):
+        raise ProtocolError(f"reply: a {len(raw)}-byte header and {len(body)}-byte body, expected {want} and 0")
+    if not 0 <= state < len(OP_STATES) or op_id < 0 or rid < 0:
+        raise ProtocolError(f"reply: state {state}, op {op_id} or id {rid} out of range")
+    timings = None
+    if bits & BIT_TIMINGS:
+        timings = {k: v for k, v in zip(RESTORE_STAGES, _STAMPS.unpack_from(raw, RESTORE_REPLY.size)) if v >= 0}
+    return RestoreReply(rid, op_id, OP_STATES[state], timings)

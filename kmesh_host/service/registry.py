@@ -82,17 +82,28 @@ class Registration:
     extra: dict = field(default_factory=dict)
     state: str = REG_OPEN
     connections: set = field(default_factory=set)
-    held_blocks: dict = field(default_factory=dict)  # block id -> op id
     ops: dict = field(default_factory=dict)  # op id -> Op, not yet drained
+    #: int64[num_blocks]: the id of the operation holding each block, 0 when free (under the
+    #: registry's lock); an array, so that a request's blocks are checked and reserved at once
+    holders: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.holders = np.zeros(self.layout.num_blocks, dtype=np.int64)
 
     @property
     def reg_id(self) -> int:
         return self.generation
 
+    @property
+    def held_blocks(self) -> dict[int, int]:
+        """Block id -> id of the operation holding it (a snapshot)."""
+        held = np.flatnonzero(self.holders)
+        return dict(zip(held.tolist(), self.holders[held].tolist()))
+
     def describe(self) -> dict:
         return {"reg": self.reg_id, "generation": self.generation, "instance": self.instance, "pid": self.identity.pid,
                 "state": self.state, "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
-                "held_blocks": sorted(self.held_blocks), "pending_ops": sorted(self.ops)}
+                "held_blocks": np.flatnonzero(self.holders).tolist(), "pending_ops": sorted(self.ops)}
 
 
 @dataclass(eq=False)
@@ -100,7 +111,7 @@ class Op:
     op_id: int
     reg: Registration
     kind: str
-    blocks: frozenset
+    blocks: np.ndarray  # int64, sorted, unique
     sources: tuple
     state: str = OP_SUBMITTING
     outcome: str | None = None  # "ok" / "failed" / "cancelled"
@@ -113,7 +124,7 @@ class Op:
 
     def describe(self) -> dict:
         return {"op": self.op_id, "reg": self.reg.reg_id, "kind": self.kind, "state": self.state,
-                "outcome": self.outcome, "blocks": sorted(self.blocks), "sources": list(self.sources),
+                "outcome": self.outcome, "blocks": self.blocks.tolist(), "sources": list(self.sources),
                 "wait_failures": self.wait_failures, "error": self.error}
 
 
@@ -221,25 +232,38 @@ class Registry:
     # ------------------------------------------------------------------ bounds
     @staticmethod
     def blocks_of_slots(reg: Registration, slots, *, name: str = "slots") -> frozenset:
-        """Blocks addressed by ``slots`` (a list, int64 array or CPU tensor) after bounds and
-        duplicate checks (``-1`` is skipped). Vectorised: a request carries hundreds of slots."""
+        """Blocks addressed by ``slots`` (see :meth:`block_ids_of_slots`) as a set."""
+        return frozenset(Registry.block_ids_of_slots(reg, slots, name=name).tolist())
+
+    @staticmethod
+    def block_ids_of_slots(reg: Registration, slots, *, name: str = "slots") -> np.ndarray:
+        """Blocks addressed by ``slots`` (a list, int64 array or CPU tensor), sorted and unique,
+        after bounds and duplicate checks (``-1`` is skipped). Vectorised: a request carries
+        hundreds of slots."""
         n_slots, block_size = reg.layout.num_slots, reg.layout.block_size
         s = np.asarray(slots)  # a CPU tensor is viewed, not copied
         if s.ndim != 1 or (s.size and s.dtype.kind not in "iu"):
             raise LayoutError(f"{name}: expected integers [N], got {s.dtype}{list(s.shape)}")
         if not s.size:
-            return frozenset()
-        bad = np.flatnonzero((s < -1) | (s >= n_slots))
-        if bad.size:
-            i = int(bad[0])
+            return np.empty(0, dtype=np.int64)
+        ordered = np.array(s, dtype=np.int64)  # a copy to sort in place
+        ordered.sort()
+        if ordered[0] < -1 or ordered[-1] >= n_slots:
+            i = int(np.flatnonzero((s < -1) | (s >= n_slots))[0])
             raise LayoutError(f"{name}[{i}]: slot {int(s[i])} outside 0..{n_slots - 1} of registration {reg.reg_id}")
-        valid = np.sort(s[s >= 0])
-        dup = np.flatnonzero(valid[1:] == valid[:-1])
-        if dup.size:
-            value = int(valid[dup[0]])
+        valid = ordered[ordered.searchsorted(0):]  # -1 skips a token
+        same = valid[1:] == valid[:-1]
+        if np.count_nonzero(same):
+            value = int(valid[int(same.argmax())])
             i = int(np.flatnonzero(s == value)[1])
             raise LayoutError(f"{name}[{i}]: slot {value} addressed twice in one request")
-        return frozenset(np.unique(valid // block_size).tolist())
+        blocks = valid // block_size
+        if blocks.size > 1:
+            first = np.empty(blocks.size, dtype=bool)
+            first[0] = True
+            np.not_equal(blocks[1:], blocks[:-1], out=first[1:])
+            blocks = blocks[first]
+        return blocks
 
     @staticmethod
     def check_blocks(reg: Registration, blocks: list[int], *, name: str = "blocks") -> frozenset:
@@ -250,21 +274,27 @@ class Registry:
         return frozenset(blocks)
 
     # ------------------------------------------------------------------ operations
-    def begin(self, reg: Registration, kind: str, blocks: frozenset, sources: Iterable[str] = ()) -> Op:
-        """Reserve ``blocks`` of ``reg`` and the named sources for one operation (before any submission)."""
+    def begin(self, reg: Registration, kind: str, blocks, sources: Iterable[str] = ()) -> Op:
+        """Reserve ``blocks`` of ``reg`` (block ids in range: a set, or a sorted unique int64 array
+        from :meth:`block_ids_of_slots`) and the named sources for one operation (before any
+        submission)."""
         sources = tuple(sources)
+        if not isinstance(blocks, np.ndarray):
+            blocks = np.array(sorted(blocks), dtype=np.int64)
+        if blocks.size and (blocks[0] < 0 or blocks[-1] >= reg.holders.shape[0]):
+            raise LayoutError(f"blocks: outside 0..{reg.holders.shape[0] - 1} of registration {reg.reg_id}")
         with self._lock:
             if reg.state != REG_OPEN:
                 raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
-            busy = sorted(b for b in blocks if b in reg.held_blocks)
-            if busy:
-                holder = reg.held_blocks[busy[0]]
-                raise OwnershipError(f"blocks {busy[:8]} of registration {reg.reg_id} are held by operation {holder} "
-                                     "until its copy has physically finished; drain it first")
-            op = Op(self._next_op, reg, kind, frozenset(blocks), sources)
+            holders = reg.holders[blocks]
+            if np.count_nonzero(holders):
+                busy = blocks[holders != 0]
+                holder = int(reg.holders[busy[0]])
+                raise OwnershipError(f"blocks {busy[:8].tolist()} of registration {reg.reg_id} are held by operation "
+                                     f"{holder} until its copy has physically finished; drain it first")
+            op = Op(self._next_op, reg, kind, blocks, sources)
             self._next_op += 1
-            for b in op.blocks:
-                reg.held_blocks[b] = op.op_id
+            reg.holders[blocks] = op.op_id
             for key in sources:
                 self._source_holds[key] = self._source_holds.get(key, 0) + 1
             reg.ops[op.op_id] = op
@@ -304,8 +334,8 @@ class Registry:
         with self._lock:
             if blocks is None:
                 return list(reg.ops.values())
-            ids = {reg.held_blocks[b] for b in blocks if b in reg.held_blocks}
-            return [reg.ops[i] for i in sorted(ids) if i in reg.ops]
+            held = reg.holders[np.fromiter(blocks, dtype=np.int64)]
+            return [reg.ops[i] for i in np.unique(held[held != 0]).tolist() if i in reg.ops]
 
     def drain(self, ops: Iterable[Op], timeout: float | None) -> None:
         """Wait for the physical completion of ``ops`` and release their holds.
@@ -352,9 +382,8 @@ class Registry:
                 return
             op.state = OP_DRAINED
             reg = op.reg
-            for b in op.blocks:
-                if reg.held_blocks.get(b) == op.op_id:
-                    del reg.held_blocks[b]
+            mine = op.blocks[reg.holders[op.blocks] == op.op_id]
+            reg.holders[mine] = 0
             for key in op.sources:
                 n = self._source_holds.get(key, 0) - 1
                 if n > 0:

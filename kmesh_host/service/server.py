@@ -20,10 +20,13 @@ Each submission ends with a CUDA event (CPU copies are finished when they return
 source and destination stay held until a wait on that event succeeds (``drain``, ``acquire``, a
 synchronous request, ``close`` or the reaper for clients that went away).
 
-Fixed cost per request is kept small because a restore's own work is a millisecond or two: index
-arrays travel as binary int64 and are checked vectorised; the client's interprocess event is opened
-once per connection and registration and re-recorded by the client for every request; originals
-stay on the device; a lone request's completion is polled briefly before a blocking wait, while
+Fixed cost per request is kept small because a restore's own work is a millisecond or two: a
+restore and its reply are fixed-layout binary frames (:func:`.protocol.decode_restore`) whose int64
+index arrays are used in place, checked and reserved vectorised (one sort for bounds and duplicates,
+one array of block holders per registration); the client's interprocess event is opened once per
+connection and registration and re-recorded by the client for every request; originals stay on the
+device and a request's are looked up under one lock; a lone request's completion is polled briefly
+before a blocking wait, and so is an idle connection's next request (``receive_spin_s``), while
 concurrent requests wait blocking so that waiting threads leave the CPU to the working ones.
 
 Fault injection (``allow_fault_injection=True`` only; tests): a request may carry ``inject``:
@@ -76,6 +79,11 @@ class ServiceConfig:
         completion_spin_s: how long a lone request polls its copy's completion event before it
             sleeps in a blocking wait (a sleeping thread wakes at the OS timer's granularity, later
             than a restore's copy finishes); requests with others in flight do not poll.
+        receive_spin_s: how long a connection polls for its next request, while no request is in
+            flight anywhere in the service, before it sleeps in ``recv`` (the same wake-up latency,
+            on the way in: a client that restores back to back sends its next request within about
+            a millisecond). ``None``: 2 ms where the machine has cores to spare
+            (:func:`.protocol.spin_default`), else 0.
     """
 
     socket_path: str
@@ -90,6 +98,7 @@ class ServiceConfig:
     backend: str = "auto"
     allow_fault_injection: bool = False
     completion_spin_s: float = 2e-3
+    receive_spin_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------- completions
@@ -261,11 +270,15 @@ class _Service:
                 self._refuse(conn, exc if isinstance(exc, KmeshError) else ProtocolError(str(exc)))
                 return
             max_body, frame_timeout = self.config.max_body_bytes, self.config.frame_timeout_s
+            receive_spin = protocol.spin_default(self.config.receive_spin_s, 2e-3)
             while not self._stop.is_set():
                 try:
-                    raw, body = protocol.read_frame(conn, max_body_bytes=max_body, frame_timeout=frame_timeout)
+                    flags, raw, body = protocol.read_frame(
+                        conn, max_body_bytes=max_body, frame_timeout=frame_timeout,
+                        spin_s=receive_spin if self._inflight == 0 else 0.0, spin_while=self._nothing_in_flight)
                     received = time.monotonic_ns()
-                    header = protocol.decode_header(memoryview(raw)[:len(raw) - len(body)])
+                    header_raw = memoryview(raw)[:len(raw) - len(body)]
+                    header = None if flags & protocol.FLAG_BINARY else protocol.decode_header(header_raw)
                 except protocol.ConnectionClosed:
                     return
                 except protocol.FatalFrameError as exc:
@@ -279,13 +292,14 @@ class _Service:
                     continue
                 except OSError:
                     return
-                # opt-in per-request timing (``"timings": true``): monotonic ns, system-wide on Linux
-                stamps = {"received": received, "parsed": time.monotonic_ns()} \
-                    if header.get("timings") is True else None
-                reply, reply_body = self._dispatch(header, body, peer, conn_id, stamps)
-                if stamps is not None:
-                    reply["timings"] = stamps
-                    stamps["reply_sent"] = time.monotonic_ns()  # handed to the socket right after
+                if header is None:
+                    frame = self._serve_binary(header_raw, body, peer, conn_id, received)
+                    try:
+                        conn.sendall(frame)
+                    except OSError:
+                        return
+                    continue
+                reply, reply_body = self._serve_json(header, body, peer, conn_id)
                 if not self._send(conn, reply, reply_body):
                     return
         finally:
@@ -306,40 +320,61 @@ class _Service:
         with self._lock:
             self._counters[name] += 1
 
-    def _dispatch(self, h: dict, body, peer: PeerIdentity, conn_id: int, stamps: dict | None = None) -> tuple[dict, bytes]:
-        rid = h.get("id")
-        if type(rid) is not int:
-            rid = None
+    def _dispatch(self, rid, run):
+        """Run one request's handler ``run()``: ``(True, its result)``, or ``(False, the typed error
+        reply)`` when it raised (the service keeps serving either way)."""
         with self._lock:
             self._counters["requests"] += 1
             self._inflight += 1
         try:
-            return self._handle(h, body, rid, peer, conn_id, stamps)
-        finally:
-            with self._lock:
-                self._inflight -= 1
-
-    def _handle(self, h: dict, body, rid, peer: PeerIdentity, conn_id: int, stamps: dict | None = None) -> tuple[dict, bytes]:
-        op = h.get("op")
-        handler = _HANDLERS.get(op) if type(op) is str else None
-        try:
-            if handler is None:
-                raise ProtocolError(f"op: unknown operation {op!r}")
-            if stamps is not None and op in _TIMED:
-                out, reply_body = handler(self, h, body, peer, conn_id, stamps=stamps)
-            else:
-                out, reply_body = handler(self, h, body, peer, conn_id)
-            return {"id": rid, "ok": True, **out}, reply_body
+            return True, run()
         except KmeshError as exc:
             self._count("errors")
             reply = protocol.error_reply(rid, exc)
             if getattr(exc, "op_id", None) is not None:
                 reply["error"]["op"] = exc.op_id
-            return reply, b""
+            return False, reply
         except Exception as exc:  # a bug or a device failure: report it typed, keep serving
             self._count("internal_errors")
             traceback.print_exc(file=sys.stderr)
-            return protocol.error_reply(rid, ServiceError(f"internal error: {type(exc).__name__}: {exc}")), b""
+            return False, protocol.error_reply(rid, ServiceError(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _serve_json(self, h: dict, body, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
+        rid = h.get("id")
+        if type(rid) is not int:
+            rid = None
+        op = h.get("op")
+        handler = _HANDLERS.get(op) if type(op) is str else None
+
+        def run():
+            if handler is None:
+                raise ProtocolError(f"op: unknown operation {op!r}")
+            return handler(self, h, body, peer, conn_id)
+
+        ok, result = self._dispatch(rid, run)
+        if not ok:
+            return result, b""
+        out, reply_body = result
+        return {"id": rid, "ok": True, **out}, reply_body
+
+    def _serve_binary(self, raw, body, peer: PeerIdentity, conn_id: int, received: int) -> bytes:
+        """Answer a binary frame (a restore request): its binary reply, or a JSON error frame."""
+        try:
+            req = protocol.decode_restore(raw, body)
+        except ProtocolError as exc:
+            self._count("errors")
+            return protocol.encode(protocol.error_reply(protocol.binary_request_id(raw), exc))
+        # opt-in per-request timing: monotonic ns, system-wide on Linux
+        stamps = {"received": received, "parsed": time.monotonic_ns()} if req.timings else None
+        ok, result = self._dispatch(req.request_id, lambda: self.restore(req, peer, conn_id, stamps))
+        if not ok:
+            return protocol.encode(result)
+        if stamps is not None:
+            stamps["reply_sent"] = time.monotonic_ns()  # handed to the socket right after
+        return protocol.encode_restore_reply(req.request_id, result.op_id, result.state, stamps)
 
     # ------------------------------------------------------------------ helpers
     def _authorize(self, h: dict, peer: PeerIdentity, *, for_new_work: bool = True):
@@ -351,8 +386,8 @@ class _Service:
             raise OwnershipError(f"registration {reg_id}: wrong secret") from exc
         return self.registry.authorize(reg_id, secret, peer, for_new_work=for_new_work)
 
-    def _inject(self, h: dict) -> dict:
-        inject = protocol.field(h, "inject", dict, optional=True, default={})
+    def _inject(self, inject: dict | None) -> dict:
+        inject = inject or {}
         if inject and not self.config.allow_fault_injection:
             raise ProtocolError("inject: fault injection is disabled in this service")
         for k in inject:
@@ -363,18 +398,24 @@ class _Service:
     def _device_of(self, reg) -> torch.device:
         return reg.extra["cache"].device
 
-    def _client_event(self, h: dict, reg, conn_id: int):
-        """The client's interprocess event named by ``wait_event`` (``None`` when absent or for host
-        memory), opened once per connection and registration: the client re-records the same event
-        before each request, and a connection carries one request at a time, so the service's
-        stream wait (made before the reply) always sees the record of this request."""
+    @staticmethod
+    def _event_handle(h: dict) -> bytes | None:
+        """A JSON request's ``wait_event`` (hex) as bytes."""
         event_hex = protocol.field(h, "wait_event", str, optional=True)
-        if not event_hex or self._device_of(reg).type != "cuda":
+        if not event_hex:
             return None
         try:
-            raw = bytes.fromhex(event_hex)
+            return bytes.fromhex(event_hex)
         except ValueError as exc:
             raise ProtocolError("wait_event: expected hex bytes") from exc
+
+    def _client_event(self, raw: bytes | None, reg, conn_id: int):
+        """The client's interprocess event whose IPC handle is ``raw`` (``None`` when absent or for
+        host memory), opened once per connection and registration: the client re-records the same
+        event before each request, and a connection carries one request at a time, so the service's
+        stream wait (made before the reply) always sees the record of this request."""
+        if not raw or not reg.extra["on_cuda"]:
+            return None
         if len(raw) != 64:
             raise ProtocolError(f"wait_event: a CUDA IPC event handle has 64 bytes, got {len(raw)}")
         events = self._conn_events.get(conn_id)
@@ -388,6 +429,9 @@ class _Service:
         if events is not None:
             events[reg.reg_id] = (raw, event)
         return event
+
+    def _nothing_in_flight(self) -> bool:
+        return self._inflight == 0
 
     def _others_in_flight(self) -> bool:
         return self._inflight > 1
@@ -442,15 +486,15 @@ class _Service:
             error.op_id = op.op_id
             raise error
 
-    def _finish(self, op, h: dict) -> dict:
-        if protocol.field(h, "wait", bool, optional=True, default=True):
-            timeout = protocol.field(h, "timeout", (int, float), optional=True)
+    def _finish(self, op, wait: bool, timeout: float | None):
+        """Drain ``op`` when the request waits for its copy; returns it."""
+        if wait:
             try:
                 self.registry.drain([op], timeout)
             except DrainError as exc:
                 exc.op_id = op.op_id
                 raise
-        return {"op": op.op_id, "state": op.state}
+        return op
 
     # ------------------------------------------------------------------ handlers
     def op_status(self, h, body, peer, conn_id):
@@ -517,7 +561,7 @@ class _Service:
         mapping = open_handle(handle, self.device_mappings)
         try:
             cache = mapping.cache(layout)
-            extra = {"cache": cache, "rope": rope}
+            extra = {"cache": cache, "rope": rope, "on_cuda": cache.device.type == "cuda"}
             if cache.device.type == "cuda":
                 extra["stream"] = torch.cuda.Stream(device=cache.device)
             reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
@@ -533,33 +577,24 @@ class _Service:
         self.registry.attach(reg, conn_id)
         return {"reg": reg.reg_id}, b""
 
-    def op_restore(self, h, body, peer, conn_id, stamps=None):
+    def op_restore(self, h, body, peer, conn_id):
+        raise ProtocolError(f"restore: sent as a binary frame since protocol version 3 (this service speaks "
+                            f"{protocol.VERSION})")
+
+    def restore(self, req: protocol.RestoreRequest, peer, conn_id, stamps=None):
+        """A decoded restore request: checks, reserves, submits and (``req.wait``) drains; returns the Op."""
         from kmesh_gpu.place import prepare_place_many
 
-        reg = self._authorize(h, peer)
-        inject = self._inject(h)
-        items = protocol.field(h, "items", list)
-        if not items:
-            raise ProtocolError("items: expected at least one restore item")
-        tensors = protocol.field(h, "tensors", dict)
-        all_slots = protocol.unpack_int64(tensors, body, "slots")
-        all_new = protocol.unpack_int64(tensors, body, "new_positions", optional=True)
-        rope = reg.extra["rope"]
-        layout = reg.layout
+        reg = self.registry.authorize(req.reg_id, req.secret, peer)
+        inject = self._inject(req.inject)
+        rope, layout = reg.extra["rope"], reg.layout
         L, _, H, _, D = layout.sizes
-        fingerprint = protocol.field(h, "model_fingerprint", dict, optional=True)
-        parsed, n_slots, n_new = [], 0, 0
-        for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise ProtocolError(f"items[{i}]: expected an object")
-            key = protocol.field(item, "key", str)
-            count = protocol.field(item, "slots", int)
-            shift = protocol.field(item, "new_positions", int, optional=True)
-            seg = self.sources.get(key, model_fingerprint=fingerprint)
-            shape = seg.kv.shape
+        segs = self.sources.get_many(req.keys, model_fingerprint=req.model_fingerprint)
+        for i, (key, count, shift, seg) in enumerate(zip(req.keys, req.slot_counts, req.position_counts, segs)):
+            shape, dtype = seg.signature
             T = shape[2]
-            if shape != (2, L, T, H, D) or seg.kv.dtype != layout.dtype:
-                raise LayoutError(f"items[{i}]: original {key!r} is {tuple(shape)} {seg.kv.dtype}, the "
+            if shape != (2, L, T, H, D) or dtype != layout.dtype:
+                raise LayoutError(f"items[{i}]: original {key!r} is {shape} {dtype}, the "
                                   f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
             if count != T:
                 raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {count}")
@@ -568,64 +603,54 @@ class _Service:
                     raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
                 if shift != T:
                     raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {shift}")
-            parsed.append((key, seg, n_slots, None if shift is None else n_new))
-            n_slots += T
-            n_new += shift or 0
-        have_new = 0 if all_new is None else all_new.shape[0]
-        if all_slots.shape[0] != n_slots or have_new != n_new:
-            raise ProtocolError(f"tensors: the items count {n_slots} slots and {n_new} new positions, the request "
-                                f"carries {all_slots.shape[0]} and {have_new}")
-        if n_new:
-            pos = all_new.numpy()
-            bad = np.flatnonzero((pos < 0) | (pos >= rope.num_positions))
-            if bad.size:
-                j = int(bad[0])
-                i = next(i for i, p in enumerate(parsed) if p[3] is not None and p[3] <= j < p[3] + p[1].kv.shape[2])
-                raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {rope.num_positions})")
+        pos = req.new_positions
+        # one reduction: viewed as unsigned, a negative position is larger than any valid one
+        if pos.size and pos.view(np.uint64).max() >= rope.num_positions:
+            j = int(np.flatnonzero((pos < 0) | (pos >= rope.num_positions))[0])
+            ends = np.cumsum([c or 0 for c in req.position_counts])
+            i = int(np.searchsorted(ends, j, side="right"))
+            raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {rope.num_positions})")
         # The security boundary: every slot in [-1, num_slots) of this registration and none twice.
         # place_many is told so (``_slots_checked``) instead of checking the same values again.
-        blocks = self.registry.blocks_of_slots(reg, all_slots, name="items[*].slots")
-        client_event = self._client_event(h, reg, conn_id)
-        op = self.registry.begin(reg, "restore", blocks, [p[0] for p in parsed])
+        blocks = self.registry.block_ids_of_slots(reg, req.slots, name="items[*].slots")
+        client_event = self._client_event(req.wait_event, reg, conn_id)
+        op = self.registry.begin(reg, "restore", blocks, req.keys)
         if stamps is not None:
             stamps["validated"] = time.monotonic_ns()
         cache = reg.extra["cache"]
         backend = self.config.backend
 
         def enqueue(keepalive):
-            device = cache.device
-            on_cuda = device.type == "cuda"
-            stream = reg.extra.get("stream")
-            groups = {True: ([], [], [], []), False: ([], [], [], [])}
-            for key, seg, s0, p0 in parsed:
-                T = seg.kv.shape[2]
-                if on_cuda:
-                    copy = self.device_originals.get(key, seg, device)
+            if reg.extra["on_cuda"]:
+                device, stream = cache.device, reg.extra["stream"]
+                kvs = []
+                for seg, copy in zip(segs, self.device_originals.get_many(req.keys, segs, device)):
                     if copy is None:  # over the device budget: upload for this request only
                         kv = seg.kv.to(device, non_blocking=True)
                     else:
-                        self.device_originals.order_after_upload(copy, stream)
+                        if not copy.uploaded:
+                            self.device_originals.order_after_upload(copy, stream)
                         kv = copy.kv
-                    keepalive.append(kv)
-                else:
-                    kv = seg.kv
-                g = groups[p0 is not None]
-                g[0].append(kv)
-                g[1].append(all_slots[s0:s0 + T])
-                g[2].append(seg.positions)
-                g[3].append(None if p0 is None else all_new[p0:p0 + T])
+                    kvs.append(kv)
+                keepalive.extend(kvs)
+            else:
+                kvs = [seg.kv for seg in segs]
+            # views of the request's arrays, one per item (the frame's buffer is the op's own)
+            slot_ts = torch.from_numpy(req.slots).split_with_sizes(req.slot_counts)
+            shifted = [i for i, c in enumerate(req.position_counts) if c is not None]
             if stamps is not None:
                 stamps["resolved"] = time.monotonic_ns()
             launches = []
-            for shifted, (kvs, slot_ts, old, new) in groups.items():
-                if not kvs:
-                    continue
-                if shifted:
-                    launches.append(prepare_place_many(kvs, cache, layout, slot_ts, rope=rope, old_positions=old,
-                                                       new_positions=new, backend=backend, _slots_checked=True))
-                else:
-                    launches.append(prepare_place_many(kvs, cache, layout, slot_ts, backend=backend,
-                                                       _slots_checked=True))
+            if shifted:
+                new_ts = torch.from_numpy(pos).split_with_sizes([req.position_counts[i] for i in shifted])
+                launches.append(prepare_place_many(
+                    [kvs[i] for i in shifted], cache, layout, [slot_ts[i] for i in shifted], rope=rope,
+                    old_positions=[segs[i].positions for i in shifted], new_positions=list(new_ts), backend=backend,
+                    _slots_checked=True))
+            if len(shifted) < len(segs):
+                plain = [i for i, c in enumerate(req.position_counts) if c is None]
+                launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [slot_ts[i] for i in plain],
+                                                   backend=backend, _slots_checked=True))
             if stamps is not None:
                 stamps["prepared"] = time.monotonic_ns()
             for launch in launches:
@@ -634,16 +659,16 @@ class _Service:
                 stamps["launched"] = time.monotonic_ns()
 
         self._submit(reg, op, inject, enqueue, client_event=client_event)
-        out = self._finish(op, h)
+        self._finish(op, req.wait, req.timeout)
         if stamps is not None:
             stamps["completed"] = time.monotonic_ns()
-        return out, b""
+        return op
 
     def op_save(self, h, body, peer, conn_id):
         from kmesh_gpu import gather
 
         reg = self._authorize(h, peer)
-        inject = self._inject(h)
+        inject = self._inject(protocol.field(h, "inject", dict, optional=True))
         key = protocol.field(h, "key", str)
         tensors = protocol.field(h, "tensors", dict)
         slot_t = protocol.unpack_int64(tensors, body, "slots")
@@ -654,8 +679,8 @@ class _Service:
             raise LayoutError("slots: a save reads real slots only (-1 is not allowed)")
         if positions.shape[0] != n or (token_ids is not None and token_ids.shape[0] != n):
             raise LayoutError(f"positions/token_ids: expected {n} entries (one per slot)")
-        blocks = self.registry.blocks_of_slots(reg, slot_t)
-        client_event = self._client_event(h, reg, conn_id)
+        blocks = self.registry.block_ids_of_slots(reg, slot_t)
+        client_event = self._client_event(self._event_handle(h), reg, conn_id)
         with self._lock:
             if key in self._saving or self.sources.host.contains(key):
                 raise OwnershipError(f"key {key!r}: already present or being saved; originals are immutable")
@@ -690,7 +715,9 @@ class _Service:
                     self._saving.discard(key)
 
         self._submit(reg, op, inject, enqueue, client_event=client_event, on_drained=publish)
-        return self._finish(op, h), b""
+        op = self._finish(op, protocol.field(h, "wait", bool, optional=True, default=True),
+                          protocol.field(h, "timeout", (int, float), optional=True))
+        return {"op": op.op_id, "state": op.state}, b""
 
     def op_cancel(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer, for_new_work=False)
@@ -732,5 +759,3 @@ _HANDLERS = {
     "save": _Service.op_save, "cancel": _Service.op_cancel, "drain": _Service.op_drain,
     "acquire": _Service.op_acquire, "close": _Service.op_close,
 }
-#: handlers that record per-stage timestamps when a request asks for ``timings``
-_TIMED = frozenset({"restore"})

@@ -9,6 +9,7 @@ into GPU memory does not upload its originals again.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from abc import ABC, abstractmethod
@@ -37,6 +38,11 @@ class SourceSegment:
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    @functools.cached_property
+    def signature(self) -> tuple:
+        """``(shape, dtype)`` of ``kv``, looked up once (a restore checks it for every item)."""
+        return tuple(self.kv.shape), self.kv.dtype
 
 
 def check_segment(kv: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> None:
@@ -92,6 +98,11 @@ class HostOriginals(SourceProvider):
         if seg is None:
             raise SegmentNotFound(f"key {key!r}: not in the host tier")
         return seg
+
+    def get_many(self, keys) -> list[SourceSegment | None]:
+        """The segments of ``keys`` looked up under one acquisition of the lock (``None``: absent)."""
+        with self._lock:
+            return [self._items.get(k) for k in keys]
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -175,6 +186,14 @@ class TieredSource(SourceProvider):
         except KmeshError:  # over budget or raced with another loader: serve the store's copy
             return seg
 
+    def get_many(self, keys, *, model_fingerprint=None) -> list[SourceSegment]:
+        """:meth:`get` for each key (a restore's items); host-tier hits need one lock acquisition."""
+        segments = self.host.get_many(keys)
+        for i, seg in enumerate(segments):
+            if seg is None:
+                segments[i] = self.get(keys[i], model_fingerprint=model_fingerprint)
+        return segments
+
     def put(self, key: str, segment: SourceSegment) -> None:
         self.host.put(key, segment)
 
@@ -253,6 +272,25 @@ class DeviceOriginals:
             self._entries[(key, index)] = entry
             self._bytes[index] = self._bytes.get(index, 0) + nbytes
             return entry
+
+    def get_many(self, keys, segments, device: torch.device) -> list[DeviceCopy | None]:
+        """:meth:`get` for each key (a restore's items): the copies already made are looked up
+        under one acquisition of the lock; only missing or stale ones go through :meth:`get`."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out = []
+        with self._lock:
+            entries = self._entries
+            for key, segment in zip(keys, segments):
+                entry = entries.get((key, index))
+                if entry is not None and entry.source is segment:
+                    entries.move_to_end((key, index))
+                    out.append(entry)
+                else:
+                    out.append(None)
+        for i, entry in enumerate(out):
+            if entry is None:
+                out[i] = self.get(keys[i], segments[i], device)
+        return out
 
     @staticmethod
     def order_after_upload(entry: DeviceCopy, stream) -> None:

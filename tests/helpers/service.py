@@ -115,12 +115,12 @@ def child_register_then_hang(socket_path: str, instance: int, refuse_waits: int,
 
 
 @contextlib.contextmanager
-def running_service(*, reap_interval_s: float):
+def running_service(*, reap_interval_s: float, receive_spin_s: float | None = None):
     """A spawned cache service with fault injection allowed, in a private socket directory."""
     from kmesh_host.service import CacheService, ServiceConfig
 
     with socket_dir() as d:
         cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), allow_fault_injection=True,
-                            reap_interval_s=reap_interval_s)
+                            reap_interval_s=reap_interval_s, receive_spin_s=receive_spin_s)
         with CacheService(cfg) as svc:
             yield svc
