@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import _backend
-from .errors import LayoutError
+from .errors import BackendError, LayoutError
 from .layout import KVLayout, storage_dtype
 from .rope import RopeSpec, shift_fp32
 
@@ -105,8 +105,8 @@ def _check_kv(name: str, kv, layout: KVLayout, device: torch.device) -> torch.Te
     return kv if dtype is want else kv.view(want)
 
 
-def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool,
-             slots_checked: bool = False):
+def _check_args(layout, rope, old_positions, new_positions) -> None:
+    """The layout, the RoPE spec and whether positions come with it (the first checks of every call)."""
     if not isinstance(layout, KVLayout):
         raise LayoutError(f"layout: expected a KVLayout, got {type(layout).__name__}")
     if rope is not None and not isinstance(rope, RopeSpec):
@@ -120,6 +120,11 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
             raise LayoutError("old_positions/new_positions: both are required when rope is given")
         if layout.storage_dtype != torch.uint8 and layout.dtype != rope.dtype:
             raise LayoutError(f"rope: dtype {rope.dtype} differs from the cache dtype {layout.dtype}")
+
+
+def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_positions, k_scale, *, gather: bool,
+             slots_checked: bool = False):
+    _check_args(layout, rope, old_positions, new_positions)
     n = len(kvs)
     cache_views: dict[tuple, tuple[list[torch.Tensor], bool]] = {}
     items: list[_Item] = []
@@ -340,12 +345,8 @@ def _token_index(counts: tuple[int, ...], row: int) -> tuple[np.ndarray, np.ndar
 
 
 def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.device) -> dict:
-    """Build the launch tables where the indices live and move them to ``device`` in one copy.
-
-    Small tables: item and cache addresses, strides. Per-token tables (``tok``, the vectorised
-    kernel's input): slot, source row address, source step per (K|V, layer), destination offsets of
-    K and V within a layer, the cache's first layer-base index, old and new position.
-    """
+    """Build the launch tables where the indices live and move them to ``device`` in one copy
+    (the general path's adapter to :func:`_tok_tables`)."""
     keys = list(cache_views)
     L, itemsize = layout.num_layers, layout.storage_dtype.itemsize
     bases = []
@@ -358,30 +359,44 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     layer_base = bases[0] if len(bases) == 1 else np.concatenate(bases)
     if layout.k_strides[0] != layout.v_strides[0]:
         raise LayoutError("layout: K and V layer strides differ; the kernels address one layer base per layer")
+    item_cache = [keys.index(it.cache_key) for it in items] if len(keys) > 1 else None
+    slots = np.concatenate([it.slots for it in items]) if len(items) > 1 else items[0].slots
+    old = new = None
+    if rope is not None:
+        old = np.concatenate([it.old for it in items]) if len(items) > 1 else items[0].old
+        new = np.concatenate([it.new for it in items]) if len(items) > 1 else items[0].new
+    return _tok_tables(_i64([it.kv.data_ptr() for it in items]), tuple(it.kv.shape[2] for it in items),
+                       layer_base, item_cache, slots, old, new, layout, rope, scale, device)
+
+
+def _tok_tables(kv_ptrs: np.ndarray, counts: tuple[int, ...], layer_base: np.ndarray, item_cache, slots, old, new,
+                layout: KVLayout, rope, scale, device: torch.device) -> dict:
+    """The per-token kernels' tables, built on the host and moved to ``device`` in one copy.
+
+    Small tables: item and cache addresses, strides. Per-token tables (``tok``, the vectorised
+    kernel's input): slot, source row address, source step per (K|V, layer), destination offsets of
+    K and V within a layer, the cache's first layer-base index, old and new position.
+    ``item_cache``: each item's cache index (``None``: one cache).
+    """
+    L, itemsize = layout.num_layers, layout.storage_dtype.itemsize
     st, vt = layout.k_strides, layout.v_strides
     row = layout.num_kv_heads * layout.head_size * itemsize
-    starts, tok_item, row_off, step = _token_index(tuple(it.kv.shape[2] for it in items), row)
+    starts, tok_item, row_off, step = _token_index(counts, row)
     total = int(starts[-1])
-    kv_ptrs = [it.kv.data_ptr() for it in items]
-    item_cache = [keys.index(it.cache_key) for it in items] if len(keys) > 1 else [0] * len(items)
     small = {
-        "kv_ptrs": _i64(kv_ptrs),
+        "kv_ptrs": kv_ptrs,
         "item_tok_start": starts,
         "layer_base": layer_base,
-        "item_cache": np.asarray(item_cache, dtype=np.int64),
+        "item_cache": np.asarray(item_cache if item_cache is not None else [0] * len(counts), dtype=np.int64),
         "k_st": np.asarray([st[1], st[2], st[3], st[4], layout.k_offset], dtype=np.int64),
         "v_st": np.asarray([vt[1], vt[2], vt[3], vt[4], layout.v_offset], dtype=np.int64),
     }
-    slots = np.concatenate([it.slots for it in items]) if len(items) > 1 else items[0].slots
     N = layout.block_size
     if N & (N - 1) == 0:  # block sizes are powers of two in practice: shifts instead of divisions
         blk, pos = slots >> (N.bit_length() - 1), slots & (N - 1)
     else:
         blk, pos = slots // N, slots % N
-    if rope is not None:
-        old = np.concatenate([it.old for it in items]) if len(items) > 1 else items[0].old
-        new = np.concatenate([it.new for it in items]) if len(items) > 1 else items[0].new
-    else:
+    if rope is None:
         old = new = slots
     # one host buffer, one transfer: the small tables, then the per-token rows (see TokRow in place.cu)
     n_small = sum(a.size for a in small.values())
@@ -392,7 +407,7 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     np.concatenate(list(small.values()), out=packed[:n_small])
     tok = packed[n_small:].reshape(9, total)
     tok[0] = slots
-    np.add(small["kv_ptrs"][tok_item], row_off, out=tok[1])
+    np.add(kv_ptrs[tok_item], row_off, out=tok[1])
     tok[2] = step
     np.multiply(blk, st[1], out=tok[3])
     tok[3] += pos * st[3]
@@ -400,7 +415,7 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     np.multiply(blk, vt[1], out=tok[4])
     tok[4] += pos * vt[3]
     tok[4] += layout.v_offset
-    if len(keys) > 1:
+    if item_cache is not None:
         np.multiply(small["item_cache"][tok_item], L, out=tok[5])
     else:
         tok[5] = 0
@@ -415,21 +430,41 @@ def _tables(items, cache_views, layout: KVLayout, rope, scale, device: torch.dev
     out["tok_host"] = tok  # kept for the run table (_Launch); holds the pinned buffer, not a copy
     out["slots"], out["old_pos"], out["new_pos"], out["tok_item"] = tok_dev[0], tok_dev[6], tok_dev[7], tok_dev[8]
     out["total"] = total
-    # 16-byte vector copies are safe when every base, stride and head run is 16-byte aligned; the
-    # alignments tested are powers of two, so OR-ing everything and testing once is the same test
-    bits = int(np.bitwise_or.reduce(small["kv_ptrs"])) | int(np.bitwise_or.reduce(layer_base))
+    bits = _align_bits(layout, int(np.bitwise_or.reduce(kv_ptrs)) | int(np.bitwise_or.reduce(layer_base)))
+    out["vec16"] = _vec16(layout, bits)
+    out["vec4"] = _vec4(layout, rope, bits)
+    out["cos_sin"], out["fp8_table"], out["k_scale"] = _consts(layout, rope, scale, device)
+    return out
+
+
+def _align_bits(layout: KVLayout, addr_bits: int) -> int:
+    """OR of every address, stride and head run in bytes: vector widths are powers of two, so
+    testing the OR for a multiple of the width tests them all at once."""
+    itemsize = layout.storage_dtype.itemsize
+    st, vt = layout.k_strides, layout.v_strides
+    bits = addr_bits
     for x in (st[1], st[2], st[3], vt[1], vt[2], vt[3], layout.k_offset, layout.v_offset, layout.head_size):
         bits |= x * itemsize
-    out["vec16"] = st[4] == 1 and vt[4] == 1 and bits % 16 == 0
-    # 4-element vectors (kmesh_place_vec): D and rd multiples of 8, everything aligned to 4 elements
+    return bits
+
+
+def _vec16(layout: KVLayout, bits: int) -> bool:
+    """16-byte vector copies are safe: every base, stride and head run is 16-byte aligned."""
+    return layout.k_strides[4] == 1 and layout.v_strides[4] == 1 and bits % 16 == 0
+
+
+def _vec4(layout: KVLayout, rope, bits: int) -> bool:
+    """4-element vectors (kmesh_place_vec): D and rd multiples of 8, everything aligned to 4 elements."""
     rd_ok = rope is None or rope.rotary_dim % 8 == 0
-    out["vec4"] = (st[4] == 1 and vt[4] == 1 and layout.head_size % 8 == 0 and rd_ok
-                   and bits % (4 * itemsize) == 0)
+    return (layout.k_strides[4] == 1 and layout.v_strides[4] == 1 and layout.head_size % 8 == 0 and rd_ok
+            and bits % (4 * layout.storage_dtype.itemsize) == 0)
+
+
+def _consts(layout: KVLayout, rope, scale, device: torch.device) -> tuple:
+    """The kernels' constant inputs on ``device``: fp32 cos/sin, the fp8 decode table, K scales."""
     dstr = str(device)
-    out["cos_sin"] = rope.cos_sin_fp32(device) if rope is not None else _ones(1, dstr)
-    out["fp8_table"] = _fp8_table(dstr)
-    out["k_scale"] = scale.to(device) if scale is not None else _ones(L, dstr)
-    return out
+    return (rope.cos_sin_fp32(device) if rope is not None else _ones(1, dstr), _fp8_table(dstr),
+            scale.to(device) if scale is not None else _ones(layout.num_layers, dstr))
 
 
 _RUNS = True  # use kmesh_place_runs where it applies (tests and benchmarks switch it off to compare)
@@ -437,7 +472,7 @@ _RUN_COLS = 7  # RunCol in place.cu: first token, length, source address, source
 _RUN_GROUPS = 1  # pair groups per lane in kmesh_place_runs (G)
 _RUN_HEADS = 2  # heads per load batch in kmesh_place_runs (HB)
 _RUN_VPL = 4  # 16-byte vectors in flight per lane on plain rows
-_RUN_LAYERS = 1  # layers per load batch (LB): all their loads are issued before any store
+_RUN_KVF = 1  # 1: a warp moves K and V of its run layer by layer (KVF); 0: K and V in separate warps
 _RUN_UNITS = 4096  # enough warps to fill the GPU before a warp takes several layers
 
 
@@ -464,28 +499,48 @@ def _run_cap(layout: KVLayout, rope, gather: bool) -> int:
 
 def _run_rows(slots: np.ndarray, tok_item: np.ndarray, block_size: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
     """Split the placed tokens (slot >= 0) into runs: consecutive tokens of one item in consecutive
-    slots of one block, at most ``cap`` long. Returns (first token, length) per run."""
+    slots of one block, at most ``cap`` long (a run also ends before a slot that is a multiple of
+    ``cap``). Returns (first token, length) per run."""
     n = slots.size
+    bounds = np.flatnonzero(tok_item[1:] != tok_item[:-1]) + 1 if n > 1 else np.zeros(0, dtype=np.int64)
     valid = slots >= 0
-    cont = np.zeros(n, dtype=bool)
-    if n > 1:
-        cont[1:] = valid[:-1] & (tok_item[1:] == tok_item[:-1]) & (slots[1:] == slots[:-1] + 1) \
-            & (slots[1:] % block_size != 0)
-    start = valid & ~cont
-    first = np.flatnonzero(start)
-    if first.size and cap < block_size:  # split long runs every `cap` tokens
-        idx = np.cumsum(start) - 1
-        off = np.arange(n, dtype=np.int64) - first[np.maximum(idx, 0)]
-        start |= valid & (off % cap == 0)
-        first = np.flatnonzero(start)
+    return _runs(slots, bounds, block_size, cap, None if valid.all() else valid)
+
+
+def _runs(slots: np.ndarray, bounds, block_size: int, cap: int, valid: np.ndarray | None,
+          diff: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_run_rows` given the tokens where a new item begins (``bounds``, each < slots.size),
+    the placed-token mask (``valid``; ``None`` when every slot is placed) and optionally
+    ``slots[1:] - slots[:-1]``."""
+    n = slots.size
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z
+    brk = np.empty(n, dtype=bool)  # a token that starts a run
+    brk[0] = True
+    if diff is None:
+        diff = slots[1:] - slots[:-1]
+    np.not_equal(diff, 1, out=brk[1:])
+    N = block_size
+    # a run starts at a block's first slot and, splitting long runs, at every multiple of cap
+    for m in ((cap,) if cap < N and N % cap == 0 else (N, cap) if cap < N else (N,)):
+        brk |= ((slots & (m - 1)) if m & (m - 1) == 0 else (slots % m)) == 0
+    brk[bounds] = True
+    if valid is not None:
+        brk[1:] |= ~valid[:-1]  # the token after a skipped one
+        brk &= valid
+    first = np.flatnonzero(brk)
     if first.size == 0:
         return first, first
     # a run ends where the next starts or at the first skipped token after it
-    nxt = np.append(first[1:], n)
-    stop = np.flatnonzero(~valid)
-    gap = stop[np.minimum(np.searchsorted(stop, first), max(stop.size - 1, 0))] if stop.size else np.full_like(first, n)
-    gap = np.where(gap > first, gap, n)
-    return first, np.minimum(nxt, gap) - first
+    end = np.empty_like(first)
+    end[:-1] = first[1:]
+    end[-1] = n
+    if valid is not None:
+        stop = np.flatnonzero(~valid)
+        if stop.size:
+            end = np.minimum(end, np.append(stop, n)[np.searchsorted(stop, first)])
+    return first, end - first
 
 
 def _run_table(tok: np.ndarray, block_size: int, cap: int, device: torch.device) -> torch.Tensor | None:
@@ -493,13 +548,18 @@ def _run_table(tok: np.ndarray, block_size: int, cap: int, device: torch.device)
     ``device``; ``None`` when runs average under half of ``cap`` tokens (scattered slots): a warp per
     run would then leave most of its lanes idle, and the per-token kernel is faster."""
     first, length = _run_rows(tok[0], tok[8], block_size, cap)
-    if first.size == 0 or 2 * int(length.sum()) < cap * first.size:
+    if not _runs_pay(first, length, cap):
         return None
     host = torch.empty((first.size, _RUN_COLS), dtype=torch.int64, pin_memory=device.type == "cuda")
     t = host.numpy()
     t[:, 0], t[:, 1] = first, length
     t[:, 2:] = tok[1:6, first].T  # source address, source step, K offset, V offset, cache layer index
     return host.to(device, non_blocking=True)
+
+
+def _runs_pay(first: np.ndarray, length: np.ndarray, cap: int) -> bool:
+    """Whether the run kernel pays off: runs average at least half of ``cap`` tokens."""
+    return first.size > 0 and 2 * int(length.sum()) >= cap * first.size
 
 
 @functools.lru_cache(maxsize=32)
@@ -561,40 +621,77 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
             cupy.int64(total)) + common + (cupy.int32(int(tables["vec16"])),) + tail)
 
 
+def _stream_handle_slow(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's current stream of a device as a raw cudaStream_t, without building a torch Stream object
+_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle_slow
+_RUN_FNS: dict = {}  # (device, dtype, kernel shape) -> (CUDA function, cupy getDevice, cupy Device)
+
+
+def _runs_function(dev_id: int, ctype: str) -> tuple:
+    """kmesh_place_runs for one device and dtype as a CuPy Function (which takes the stream as an
+    argument: no device or stream context per launch), looked up once."""
+    shape = f"{_RUN_GROUPS}, {_RUN_HEADS}, {_RUN_VPL}, {_RUN_KVF}"
+    key = (dev_id, ctype, shape)
+    found = _RUN_FNS.get(key)
+    if found is None:
+        import cupy
+
+        from ._jit import get_kernel
+
+        names = tuple(f"kmesh_place_runs<{t}, {shape}>" for t in _CUDA_TYPES.values())
+        kernel = get_kernel("place.cu", f"kmesh_place_runs<{ctype}, {shape}>", device_id=dev_id,
+                            name_expressions=names)
+        with cupy.cuda.Device(dev_id):
+            fn = getattr(kernel, "kernel", kernel)
+        found = _RUN_FNS[key] = (fn, cupy.cuda.runtime.getDevice, cupy.cuda.Device)
+    return found
+
+
 def _cupy_runs(tables, layout: KVLayout, device: torch.device, dev_id: int, ctype: str, *, gather: bool, rope) -> None:
-    """Launch kmesh_place_runs: one warp per (K|V, run, group of layers)."""
-    import cupy
+    """Launch kmesh_place_runs on torch's current stream: one warp per (K|V, run, group of layers).
 
-    from ._jit import cupy_stream, get_kernel
-
-    shape = f"{_RUN_GROUPS}, {_RUN_HEADS}, {_RUN_VPL}, {_RUN_LAYERS}"
-    names = tuple(f"kmesh_place_runs<{t}, {shape}>" for t in _CUDA_TYPES.values())
-    kernel = get_kernel("place.cu", f"kmesh_place_runs<{ctype}, {shape}>", device_id=dev_id, name_expressions=names)
-    L, _, H, _, D = layout.sizes
-    runs = tables["runs"]
-    R = runs.shape[0]
+    ``tables["run_args"]``: (runs table address, [2, T] old|new positions address, layer bases
+    address, number of runs R)."""
+    runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
     if R == 0:
         return
-    groups = min(L, max(1, -(-_RUN_UNITS // (2 * R))))
+    from ._jit import cupy_stream
+
+    fn, getdev, device_ctx = _runs_function(dev_id, ctype)
+    L, _, H, _, D = layout.sizes
+    per_run = 1 if _RUN_KVF else 2  # warps per (run, layer group)
+    groups = min(L, max(1, -(-_RUN_UNITS // (per_run * R))))
     lg = -(-L // groups)
-    units = 2 * R * (-(-L // lg))
+    units = per_run * R * (-(-L // lg))
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-    stream = cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
-    with cupy.cuda.Device(dev_id), stream:
-        kernel((-(-units // 8),), (256,), (
-            runs.data_ptr(), tables["old_pos"].data_ptr(), tables["layer_base"].data_ptr(), cupy.int64(R),
-            cupy.int64(tables["total"]), cupy.int32(L), cupy.int32(lg), cupy.int32(H), cupy.int32(D),
-            cupy.int32(layout.k_strides[2]), cupy.int32(layout.v_strides[2]), cupy.int32(layout.k_strides[3]),
-            cupy.int32(layout.v_strides[3]), cupy.int32(int(gather)), cupy.int32(int(rope is not None)),
-            cupy.int32(neox), cupy.int32(rd), tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(),
-            tables["k_scale"].data_ptr()))
+    handle = _stream_handle(dev_id)
+    if handle:
+        stream = cupy_stream(handle, dev_id)
+    else:
+        import cupy
+
+        stream = cupy.cuda.Stream.null
+    i32, i64 = np.int32, np.int64
+    args = (runs_ptr, pos_ptr, base_ptr, i64(R), i64(tables["total"]), i32(L), i32(lg), i32(H), i32(D),
+            i32(layout.k_strides[2]), i32(layout.v_strides[2]), i32(layout.k_strides[3]), i32(layout.v_strides[3]),
+            i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd), tables["cos_sin"].data_ptr(),
+            tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
+    if getdev() == dev_id:
+        fn((-(-units // 8),), (256,), args, stream=stream)
+    else:
+        with device_ctx(dev_id):
+            fn((-(-units // 8),), (256,), args, stream=stream)
 
 
 class _Launch:
     """A validated placement with its tables uploaded; ``run()`` submits the one launch.
 
     Benchmarks time ``run()`` alone to separate the kernel from validation and table building.
+    ``tables["runs"]`` is not ``None`` when the run kernel (kmesh_place_runs) is used.
     """
 
     def __init__(self, items, cache_views, layout, device, rope, scale, backend: str, *, gather: bool):
@@ -607,7 +704,20 @@ class _Launch:
             self.tables = _tables(items, cache_views, layout, rope, scale, device)
             cap = _run_cap(layout, rope, gather) if _RUNS and self.backend == "cupy" and self.tables["vec16"] else 0
             if cap:
-                self.tables["runs"] = _run_table(self.tables["tok_host"], layout.block_size, cap, device)
+                runs = _run_table(self.tables["tok_host"], layout.block_size, cap, device)
+                self.tables["runs"] = runs
+                if runs is not None:
+                    self.tables["run_args"] = (runs.data_ptr(), self.tables["old_pos"].data_ptr(),
+                                               self.tables["layer_base"].data_ptr(), runs.shape[0])
+
+    @classmethod
+    def _built(cls, layout, device, rope, scale, backend: str, tables: dict) -> "_Launch":
+        """A launch whose tables the fast path built (a cupy or warp backend, tokens to place)."""
+        self = cls.__new__(cls)
+        self.items = self.views = None
+        self.layout, self.device, self.rope, self.scale, self.gather = layout, device, rope, scale, False
+        self.backend, self.empty, self.tables = backend, False, tables
+        return self
 
     def run(self) -> None:
         if self.empty:
@@ -626,6 +736,207 @@ class _Launch:
                                neox=bool(rope and rope.is_neox_style), rd=rope.rotary_dim if rope else 0)
 
 
+# ---------------------------------------------------------------------------------- fast path
+_FAST = True  # prepare_place_many's fast path (tests switch it off to compare with the general path)
+_FACTS: dict = {}  # (cache address, shape, strides, dtype, device, id(layout), id(rope)) -> _Facts
+_FACTS_MAX = 32
+
+
+class _Facts:
+    """What one (cache tensor, layout, RoPE spec) gives every placement into it, worked out once:
+    the cache passed validation, its layer bases, slot and position bounds, alignment and the
+    kernels' constant inputs. Keyed by the cache's address, shape and strides (not the tensor, which
+    is not kept alive): another tensor with those passes the same checks."""
+
+    __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
+                 "row", "kv_shape", "st", "vt", "consts")
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
+        flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
+        L, _, H, N, D = layout.sizes
+        itemsize = layout.storage_dtype.itemsize
+        self.layout, self.rope = layout, rope
+        self.device = flats[0].device
+        self.cuda = self.device.type == "cuda"
+        self.layer_base = flats[0].data_ptr() + np.arange(L, dtype=np.int64) * (layout.k_strides[0] * itemsize)
+        self.layer_base.setflags(write=False)
+        # anything the fast path does not cover (the general path then decides, and raises)
+        self.ok = layout.k_strides[0] == layout.v_strides[0]
+        self.bits = _align_bits(layout, int(np.bitwise_or.reduce(self.layer_base)))
+        self.S, self.N = layout.num_slots, N
+        self.P = rope.num_positions if rope is not None else 0
+        self.vec16 = _vec16(layout, self.bits)
+        self.cap = (_RUN_GROUPS, _run_cap(layout, rope, False))  # (pair groups per lane, longest run)
+        self.row = H * D * itemsize
+        self.kv_shape = (L, H, D)
+        self.st, self.vt = layout.k_strides, layout.v_strides
+        self.consts = _consts(layout, rope, None, self.device)  # K scales of 1 (fp8 with RoPE: per call)
+
+
+def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:
+    key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device, id(layout), id(rope))
+    f = _FACTS.get(key)
+    if f is None or f.layout is not layout or f.rope is not rope:
+        f = _Facts(cache, layout, rope, name)
+        if len(_FACTS) >= _FACTS_MAX:
+            _FACTS.clear()
+        _FACTS[key] = f
+    return f
+
+
+def _host_ints(seq, counts: list[int]) -> bool:
+    """Every entry is a host int64[counts[i]] tensor (else the general path validates and raises)."""
+    for x, c in zip(seq, counts):
+        if type(x) is not torch.Tensor or x.dtype is not torch.int64 or not x.is_cpu or x.dim() != 1 \
+                or x.shape[0] != c:
+            return False
+    return True
+
+
+def _distinct(slots: np.ndarray, S: int) -> bool:
+    """Every value of ``slots`` (all in [0, S)) occurs once."""
+    if slots.size < 2 or (slots[1:] - slots[:-1]).min() > 0:  # strictly increasing: the usual case
+        return True
+    if S <= max(1 << 16, 16 * slots.size):  # a byte map: O(T) writes, one O(S) count
+        seen = np.zeros(S, dtype=np.uint8)
+        seen[slots] = 1
+        return int(np.count_nonzero(seen)) == slots.size
+    srt = np.sort(slots)
+    return not bool((srt[1:] == srt[:-1]).any())
+
+
+def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend: str, slots_checked: bool):
+    """prepare_place_many for the common case: one cache tensor, host int64 index tensors, every
+    item a contiguous (2, L, T, H, D) tensor on the cache's device, a cupy or warp backend.
+
+    Checks the concatenated indices with a few whole-array reductions and builds only what the
+    chosen kernel reads, in one host buffer and one upload. Returns ``None`` whenever anything is
+    unusual or fails a check: the general path then decides, and describes any error exactly.
+    """
+    _check_args(layout, rope, olds, news)
+    n = len(kvs)
+    if n == 0 or not isinstance(cache, torch.Tensor):
+        return None
+    f = _facts(cache, layout, rope, "cache" if n == 1 else "caches[0]")
+    if not f.ok:
+        return None
+    device = f.device
+    try:
+        be = _backend.choose(backend, device)
+    except BackendError:
+        return None
+    if be == "torch":
+        return None
+    want = layout.storage_dtype
+    L, H, D = f.kv_shape
+    counts, ptrs, bits = [], [], f.bits
+    for kv in kvs:
+        if not isinstance(kv, torch.Tensor):
+            return None
+        s = kv.shape
+        if len(s) != 5 or s[0] != 2 or s[1] != L or s[3] != H or s[4] != D:
+            return None
+        if (kv.dtype is not want and storage_dtype(kv.dtype) != want) or kv.device != device \
+                or not kv.is_contiguous():
+            return None
+        p = kv.data_ptr()
+        counts.append(s[2])
+        ptrs.append(p)
+        bits |= p
+    T = sum(counts)
+    if T == 0:
+        return None
+    scale = None
+    if want == torch.uint8:
+        if rope is not None:
+            try:
+                scale = _k_scale(k_scale, L)
+            except LayoutError:
+                return None
+    elif k_scale is not None:
+        return None
+    if not _host_ints(slots, counts) or (rope is not None and not (_host_ints(olds, counts)
+                                                                   and _host_ints(news, counts))):
+        return None
+    sl = (torch.cat(slots) if n > 1 else slots[0]).numpy()
+    lo, hi = int(np.minimum.reduce(sl)), int(np.maximum.reduce(sl))
+    if not slots_checked and (lo < -1 or hi >= f.S):
+        return None
+    valid = None if lo >= 0 else sl >= 0
+    diff = sl[1:] - sl[:-1]
+    if not slots_checked:
+        if valid is None:
+            if diff.size and diff.min() <= 0 and not _distinct(sl, f.S):
+                return None
+        elif not _distinct(sl[valid], f.S):
+            return None
+    # the run kernel where it applies and pays; the per-token kernels otherwise
+    if f.cap[0] != _RUN_GROUPS:  # the kernel shape changed (tools that sweep it)
+        f.cap = (_RUN_GROUPS, _run_cap(f.layout, f.rope, False))
+    cap = f.cap[1] if _RUNS and be == "cupy" and f.vec16 and bits % 16 == 0 else 0
+    counts_t = tuple(counts)
+    starts, tok_item, row_off, step = _token_index(counts_t, f.row)
+    if cap:
+        bounds = starts[1:-1]  # where a new item begins (an empty last item would begin at T)
+        first, length = _runs(sl, bounds if 0 not in counts_t else bounds[bounds < T], f.N, cap, valid, diff)
+        if not _runs_pay(first, length, cap):
+            cap = 0
+    consts = f.consts if scale is None else _consts(layout, rope, scale, device)
+    if not cap:  # per-token kernels: every per-token row
+        old = new = None
+        if rope is not None:
+            pos = torch.cat(list(olds) + list(news)).numpy()
+            old, new = pos[:T], pos[T:]
+            if not _positions_ok(pos, f.P, valid):
+                return None
+        tables = _tok_tables(_i64(ptrs), counts_t, f.layer_base, None, sl, old, new, layout, rope, scale, device)
+        return _Launch._built(layout, device, rope, scale, be, tables)
+    # run kernel: one buffer [layer bases L | old, new positions 2 x T | runs R x _RUN_COLS]
+    R = first.size
+    host = torch.empty(L + 2 * T + R * _RUN_COLS, dtype=torch.int64, pin_memory=f.cuda)
+    h = host.numpy()
+    h[:L] = f.layer_base
+    if rope is not None:
+        torch.cat(list(olds) + list(news), out=host[L:L + 2 * T])
+        if not _positions_ok(h[L:L + 2 * T], f.P, valid):
+            return None
+    else:
+        h[L:L + 2 * T] = 0  # never read without RoPE
+    t = h[L + 2 * T:].reshape(R, _RUN_COLS)
+    t[:, 0], t[:, 1] = first, length
+    item = tok_item[first]
+    np.add(_i64(ptrs)[item], row_off[first], out=t[:, 2])
+    t[:, 3] = step[first]
+    s0 = sl[first]
+    N = f.N
+    blk, off = (s0 >> (N.bit_length() - 1), s0 & (N - 1)) if N & (N - 1) == 0 else (s0 // N, s0 % N)
+    st, vt = f.st, f.vt
+    dst = blk * st[1]
+    dst += off * st[3]
+    if st[1] == vt[1] and st[3] == vt[3]:  # K and V in one block/token arrangement (vLLM's layouts)
+        np.add(dst, layout.k_offset, out=t[:, 4])
+        np.add(dst, layout.v_offset, out=t[:, 5])
+    else:
+        np.add(dst, layout.k_offset, out=t[:, 4])
+        t[:, 5] = blk * vt[1] + off * vt[3] + layout.v_offset
+    t[:, 6] = 0  # one cache: its layer bases come first
+    dev = host.to(device, non_blocking=True)
+    p = dev.data_ptr()
+    tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * (L + 2 * T), p + 8 * L, p, R),
+              "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
+    return _Launch._built(layout, device, rope, scale, be, tables)
+
+
+def _positions_ok(pos: np.ndarray, P: int, valid) -> bool:
+    """Old then new positions (``pos``: int64[2T]) of the placed tokens lie in [0, P): whole-array
+    bounds first; only with skipped tokens are they masked, since those positions are never read."""
+    if int(np.minimum.reduce(pos)) >= 0 and int(np.maximum.reduce(pos)) < P:
+        return True
+    if valid is None:
+        return False
+    return not bool((((pos < 0) | (pos >= P)).reshape(2, -1) & valid).any())
+
+
 def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_positions=None, new_positions=None,
                        k_scale=None, backend: str = "auto", _slots_checked: bool = False) -> _Launch:
     """Validate and build the launch of :func:`place_many` without running it (``.run()`` does).
@@ -639,16 +950,24 @@ def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_p
     launch write outside the cache, so nothing public passes it.
     """
     n = len(kvs)
-    if isinstance(caches, torch.Tensor):
-        caches = [caches] * n
-    caches = list(caches)
+    one = isinstance(caches, torch.Tensor)
+    if one:
+        cache, caches = caches, [caches] * n
+    else:
+        caches = list(caches)
+        cache = caches[0] if caches and all(c is caches[0] for c in caches) else None
     if len(caches) != n or len(slots) != n:
         raise LayoutError(f"caches/slots: expected {n} entries like kvs, got {len(caches)} and {len(slots)}")
     if rope is not None and (old_positions is None or new_positions is None
                              or len(old_positions) != n or len(new_positions) != n):
         raise LayoutError(f"old_positions/new_positions: expected {n} entries each when rope is given")
-    if _slots_checked and any(c is not caches[0] for c in caches):
+    if _slots_checked and cache is None:
         raise LayoutError("_slots_checked: the caller's check covers one destination cache only")
+    if _FAST and cache is not None:
+        launch = _fast_prepare(kvs, cache, layout, slots, rope, old_positions, new_positions, k_scale, backend,
+                               _slots_checked)
+        if launch is not None:
+            return launch
     items, views, device, scale = _prepare(list(kvs), caches, layout, list(slots), rope, old_positions,
                                            new_positions, k_scale, gather=False, slots_checked=_slots_checked)
     return _Launch(items, views, layout, device, rope, scale, backend, gather=False)

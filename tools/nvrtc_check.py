@@ -16,7 +16,7 @@ CSRC = Path(__file__).resolve().parent.parent / "kmesh_gpu" / "csrc"
 NAME_EXPRESSIONS = {
     "place.cu": [f"kmesh_place<{t}>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")]
     + [f"kmesh_place_vec<{t}, 2, 4>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")]
-    + [f"kmesh_place_runs<{t}, 1, 2, 4, 2>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char")],
+    + [f"kmesh_place_runs<{t}, 1, 2, 4, {f}>" for t in ("float", "__half", "__nv_bfloat16", "unsigned char") for f in (0, 1)],
 }
 
 

@@ -1,5 +1,5 @@
 """Shape sweep of the run kernel (kmesh_place_runs): pair groups per lane (G) x heads per load batch
-(HB) x layers per load batch (LB) x the warp target that sets layers per warp, against the per-token kernel and a D2D copy.
+(HB) x K and V in one warp (KVF) x the warp target that sets layers per warp, against the per-token kernel and a D2D copy.
 
 Cases: the large case (98,304 tokens, 24 layers, 2 heads, head 64, bf16, shuffled blocks, tokens in
 order within a block) on LBHNC and on vLLM's flash layout (per layer (2, B, N, H, D)), and a seed-size
@@ -21,7 +21,7 @@ from kmesh_gpu import KVLayout, RopeSpec
 
 pm = importlib.import_module("kmesh_gpu.place")
 L, H, D, N = 24, 2, 64, 16
-SHAPES = [(1, 2, 1), (1, 2, 2), (1, 1, 2), (1, 2, 3), (1, 1, 4)]  # G, HB, LB
+SHAPES = [(1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1), (1, 1, 1)]  # G, HB, KVF
 UNITS = [2048, 4096, 16384]
 
 
@@ -38,9 +38,9 @@ def timed(fn, reps=7):
     return statistics.median(out)
 
 
-def launch(kvs, cache, layout, slots, rope, olds, news, runs=True, shape=(1, 2, 2), units=4096):
-    saved = pm._RUNS, pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_LAYERS, pm._RUN_UNITS
-    pm._RUNS, (pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_LAYERS), pm._RUN_UNITS = runs, shape, units
+def launch(kvs, cache, layout, slots, rope, olds, news, runs=True, shape=(1, 2, 0), units=4096):
+    saved = pm._RUNS, pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_KVF, pm._RUN_UNITS
+    pm._RUNS, (pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_KVF), pm._RUN_UNITS = runs, shape, units
     try:
         lz = pm.prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds, new_positions=news,
                                    backend="cupy")
@@ -49,11 +49,11 @@ def launch(kvs, cache, layout, slots, rope, olds, news, runs=True, shape=(1, 2, 
         torch.cuda.synchronize()
 
         def go():
-            pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_LAYERS, pm._RUN_UNITS = shape[0], shape[1], shape[2], units
+            pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_KVF, pm._RUN_UNITS = shape[0], shape[1], shape[2], units
             lz.run()
         return go, used
     finally:
-        pm._RUNS, pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_LAYERS, pm._RUN_UNITS = saved
+        pm._RUNS, pm._RUN_GROUPS, pm._RUN_HEADS, pm._RUN_KVF, pm._RUN_UNITS = saved
 
 
 def sweep(title, kvs, cache, layout, slots, rope, olds, news, copy):
@@ -82,7 +82,7 @@ def sweep(title, kvs, cache, layout, slots, rope, olds, news, copy):
     print(f"\n{title}: per-token kernel {t_tok * 1e3:.1f} us" + (f" = {c / t_tok:.3f} of copy" if copy else ""))
     for t, r, shape, units, used, same in sorted(rows, key=lambda x: x[0]):
         frac = f" = {r:.3f} of copy" if copy else ""
-        print(f"  G={shape[0]} HB={shape[1]} LB={shape[2]} units={units:>10}: {t * 1e3:8.1f} us{frac}  runs used={used} "
+        print(f"  G={shape[0]} HB={shape[1]} KVF={shape[2]} units={units:>10}: {t * 1e3:8.1f} us{frac}  runs used={used} "
               f"bit-identical={same}")
 
 

@@ -236,9 +236,11 @@ __global__ void kmesh_place_vec(
 // Run kernel: the fast path when every access can be a 16-byte vector (d stride 1, everything
 // 16-byte aligned). A *run* is up to `cap` consecutive tokens of one item that land in consecutive
 // slots of one cache block; its source rows (len * H * D elements per K|V and layer) are contiguous.
-// One warp is one *unit* = (K|V, run, group of layers); units are numbered with K|V slowest.
+// One warp is one *unit*: a run and a group of layers, for K or V (KVF = 0; units numbered with K|V
+// slowest) or for both, K then V layer by layer (KVF = 1: a token's K and V are written together,
+// which suits layouts that keep them side by side).
 //
-// K units with the shift own *pair groups*: a group is (token, first pair) covering CNT pairs —
+// Shifted K rows are moved by *pair groups*: a group is (token, first pair) covering CNT pairs —
 // neox: the vector at e0 and its partner at e0 + rd/2, GPT-J: one vector of adjacent pairs. A lane
 // loads the cos/sin of its G groups once into registers and reuses them for every layer and head of
 // the unit, and moves both vectors of a pair itself: no shuffles, no shared memory. The host picks
@@ -263,45 +265,27 @@ __device__ __forceinline__ void load_floats(float (&out)[CNT], const float* __re
     }
 }
 
-template <typename T, int VPL, int LB>
-__device__ __forceinline__ void run_rows(T* __restrict__ src, long long step, const unsigned long long* __restrict__ layer_base,
-                                         long long cache_l, long long dst_off, int l0, int lend, int nvec, int vpt,
-                                         int vph, int s_head, int s_tok, int lane, int skip_e, int gather) {
-    // LB layers x VPL vectors of each lane in flight before any store
+// One layer of a run's rows as consecutive vectors (elements e >= skip_e of each head only).
+template <typename T, int VPL>
+__device__ __forceinline__ void rows_layer(T* __restrict__ sp, T* __restrict__ dl, int nvec, int vpt, int vph,
+                                           int s_head, int s_tok, int lane, int skip_e, int gather) {
     constexpr int EPV = 16 / (int)sizeof(T);
-    for (int l = l0; l < lend; l += LB) {
-        T* sp[LB];
-        T* dl[LB];
+    for (int base = 0; base < nvec; base += 32 * VPL) {
+        uint4 v[VPL];
+        int off[VPL];
 #pragma unroll
-        for (int j = 0; j < LB; ++j) {
-            const int lj = l + j < lend ? l + j : l;
-            sp[j] = src + lj * step;
-            dl[j] = reinterpret_cast<T*>(layer_base[cache_l + lj]) + dst_off;
+        for (int k = 0; k < VPL; ++k) {  // every load before any store
+            const int i = base + lane + 32 * k;
+            const int n = i / vpt, rem = i - n * vpt, h = rem / vph, e0 = (rem - h * vph) * EPV;
+            off[k] = (i < nvec && e0 >= skip_e) ? h * s_head + n * s_tok + e0 : -1;
+            if (off[k] >= 0) v[k] = gather ? *reinterpret_cast<const uint4*>(dl + off[k])
+                                           : reinterpret_cast<const uint4*>(sp)[i];
         }
-        for (int base = 0; base < nvec; base += 32 * VPL) {
-            uint4 v[LB][VPL];
-            int off[VPL];
 #pragma unroll
-            for (int k = 0; k < VPL; ++k) {
-                const int i = base + lane + 32 * k;
-                const int n = i / vpt, rem = i - n * vpt, h = rem / vph, e0 = (rem - h * vph) * EPV;
-                off[k] = (i < nvec && e0 >= skip_e) ? h * s_head + n * s_tok + e0 : -1;
-            }
-#pragma unroll
-            for (int j = 0; j < LB; ++j)
-#pragma unroll
-                for (int k = 0; k < VPL; ++k)
-                    if (off[k] >= 0 && l + j < lend)
-                        v[j][k] = gather ? *reinterpret_cast<const uint4*>(dl[j] + off[k])
-                                         : reinterpret_cast<const uint4*>(sp[j])[base + lane + 32 * k];
-#pragma unroll
-            for (int j = 0; j < LB; ++j)
-#pragma unroll
-                for (int k = 0; k < VPL; ++k) {
-                    if (off[k] < 0 || l + j >= lend) continue;
-                    if (gather) reinterpret_cast<uint4*>(sp[j])[base + lane + 32 * k] = v[j][k];
-                    else *reinterpret_cast<uint4*>(dl[j] + off[k]) = v[j][k];
-                }
+        for (int k = 0; k < VPL; ++k) {
+            if (off[k] < 0) continue;
+            if (gather) reinterpret_cast<uint4*>(sp)[base + lane + 32 * k] = v[k];
+            else *reinterpret_cast<uint4*>(dl + off[k]) = v[k];
         }
     }
 }
@@ -324,79 +308,97 @@ __device__ __forceinline__ void shift_pairs(uint4& a, uint4& b, const float (&c)
     }
 }
 
-template <typename T, bool NEOX, int G, int HB, int LB>
-__device__ __forceinline__ void run_shift(const T* __restrict__ src, long long step,
-                                          const unsigned long long* __restrict__ layer_base, long long cache_l,
-                                          long long dst_off, int l0, int lend, int len, int H, int D,
-                                          int s_head, int s_tok, int rd, int lane,
-                                          const long long* __restrict__ pos, long long T_total, long long tok0,
-                                          const float* __restrict__ cos_sin, const float* __restrict__ fp8_table,
-                                          const float* __restrict__ k_scale) {
-    constexpr int EPV = 16 / (int)sizeof(T);
-    constexpr int CNT = NEOX ? EPV : EPV / 2;
-    const int half = rd >> 1;
-    const int per_tok = NEOX ? half / EPV : rd / EPV, ngr = len * per_tok;
-    float cs[G][4][CNT];  // cos_old, sin_old, cos_new, sin_new of this lane's pairs
+// A lane's pair groups of a run: cos/sin (old and new position) and offsets, loaded once per unit.
+template <typename T, bool NEOX, int G>
+struct PairGroups {
+    static constexpr int EPV = 16 / (int)sizeof(T);
+    static constexpr int CNT = NEOX ? EPV : EPV / 2;
+    float cs[G][4][CNT];  // cos_old, sin_old, cos_new, sin_new
     int so[G], dof[G];    // offsets inside a run: the host checks that they fit in 32 bits
     bool gl[G];
+
+    __device__ __forceinline__ void load(int len, int H, int D, int s_tok, int rd, int lane,
+                                         const long long* __restrict__ pos, long long T_total, long long tok0,
+                                         const float* __restrict__ cos_sin) {
+        const int half = rd >> 1, per_tok = NEOX ? half / EPV : rd / EPV, ngr = len * per_tok;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const int gi = lane + 32 * g;
-        gl[g] = gi < ngr;
-        const int n = gl[g] ? gi / per_tok : 0, e0 = (gi - n * per_tok) * EPV;
-        so[g] = n * H * D + e0;
-        dof[g] = n * s_tok + e0;
-        if (gl[g]) {
-            const int p0 = NEOX ? e0 : e0 >> 1;
-            const float* po = cos_sin + pos[tok0 + n] * rd + p0;
-            const float* pn = cos_sin + pos[T_total + tok0 + n] * rd + p0;
-            load_floats<CNT>(cs[g][0], po);
-            load_floats<CNT>(cs[g][1], po + half);
-            load_floats<CNT>(cs[g][2], pn);
-            load_floats<CNT>(cs[g][3], pn + half);
+        for (int g = 0; g < G; ++g) {
+            const int gi = lane + 32 * g;
+            gl[g] = gi < ngr;
+            const int n = gl[g] ? gi / per_tok : 0, e0 = (gi - n * per_tok) * EPV;
+            so[g] = n * H * D + e0;
+            dof[g] = n * s_tok + e0;
+            if (gl[g]) {
+                const int p0 = NEOX ? e0 : e0 >> 1;
+                const float* po = cos_sin + pos[tok0 + n] * rd + p0;
+                const float* pn = cos_sin + pos[T_total + tok0 + n] * rd + p0;
+                load_floats<CNT>(cs[g][0], po);
+                load_floats<CNT>(cs[g][1], po + half);
+                load_floats<CNT>(cs[g][2], pn);
+                load_floats<CNT>(cs[g][3], pn + half);
+            }
         }
     }
-    for (int l = l0; l < lend; l += LB) {
-        const T* sp[LB];
-        T* dl[LB];
-        float scale[LB];
-#pragma unroll
-        for (int j = 0; j < LB; ++j) {
-            const int lj = l + j < lend ? l + j : l;
-            sp[j] = src + lj * step;
-            dl[j] = reinterpret_cast<T*>(layer_base[cache_l + lj]) + dst_off;
-            scale[j] = k_scale[lj];
-        }
+
+    // One layer of shifted K: HB heads' loads in flight before their stores.
+    template <int HB>
+    __device__ __forceinline__ void shift_layer(const T* __restrict__ sp, T* __restrict__ dl, int H, int D, int s_head,
+                                                int half, const float* __restrict__ fp8_table, float scale) const {
         for (int h0 = 0; h0 < H; h0 += HB) {
-            uint4 a[LB][G][HB], b[LB][G][HB];
+            uint4 a[G][HB], b[G][HB];
 #pragma unroll
-            for (int j = 0; j < LB; ++j)
+            for (int g = 0; g < G; ++g)
 #pragma unroll
-                for (int g = 0; g < G; ++g)
+                for (int hh = 0; hh < HB; ++hh)
+                    if (gl[g] && h0 + hh < H) {
+                        const T* s = sp + so[g] + (h0 + hh) * D;
+                        a[g][hh] = *reinterpret_cast<const uint4*>(s);
+                        if (NEOX) b[g][hh] = *reinterpret_cast<const uint4*>(s + half);
+                    }
 #pragma unroll
-                    for (int hh = 0; hh < HB; ++hh)
-                        if (gl[g] && h0 + hh < H && l + j < lend) {  // every load of the batch before any store
-                            const T* s = sp[j] + so[g] + (h0 + hh) * D;
-                            a[j][g][hh] = *reinterpret_cast<const uint4*>(s);
-                            if (NEOX) b[j][g][hh] = *reinterpret_cast<const uint4*>(s + half);
-                        }
+            for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int j = 0; j < LB; ++j)
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-#pragma unroll
-                    for (int hh = 0; hh < HB; ++hh)
-                        if (gl[g] && h0 + hh < H && l + j < lend) {
-                            shift_pairs<T, NEOX>(a[j][g][hh], b[j][g][hh], cs[g], fp8_table, scale[j]);
-                            T* d = dl[j] + dof[g] + (h0 + hh) * s_head;
-                            *reinterpret_cast<uint4*>(d) = a[j][g][hh];
-                            if (NEOX) *reinterpret_cast<uint4*>(d + half) = b[j][g][hh];
-                        }
+                for (int hh = 0; hh < HB; ++hh)
+                    if (gl[g] && h0 + hh < H) {
+                        shift_pairs<T, NEOX>(a[g][hh], b[g][hh], cs[g], fp8_table, scale);
+                        T* d = dl + dof[g] + (h0 + hh) * s_head;
+                        *reinterpret_cast<uint4*>(d) = a[g][hh];
+                        if (NEOX) *reinterpret_cast<uint4*>(d + half) = b[g][hh];
+                    }
         }
+    }
+};
+
+template <typename T, bool NEOX, int G, int HB, int VPL, int KVF>
+__device__ __forceinline__ void run_unit(int kvsel, T* src, long long step, const unsigned long long* __restrict__ layer_base,
+                                         long long cache_l, long long dst_k, long long dst_v, int l0, int lend, int L,
+                                         int len, int H, int D, int head_k, int head_v, int tok_k, int tok_v,
+                                         int gather, bool rope, int rd, int lane, const long long* __restrict__ pos,
+                                         long long T_total, long long tok0, const float* __restrict__ cos_sin,
+                                         const float* __restrict__ fp8_table, const float* __restrict__ k_scale) {
+    constexpr int EPV = 16 / (int)sizeof(T);
+    const int vph = D / EPV, vpt = H * vph, nvec = len * vpt;
+    const bool do_k = KVF || kvsel == 0, do_v = KVF || kvsel == 1;
+    const bool shift = rope && !gather && do_k;
+    PairGroups<T, NEOX, G> pg;
+    if (shift) pg.load(len, H, D, tok_k, rd, lane, pos, T_total, tok0, cos_sin);
+    T* vsrc = src + (long long)L * step;
+    for (int l = l0; l < lend; ++l) {
+        T* base = reinterpret_cast<T*>(layer_base[cache_l + l]);
+        if (do_k) {
+            if (shift) {
+                pg.template shift_layer<HB>(src + l * step, base + dst_k, H, D, head_k, rd >> 1, fp8_table, k_scale[l]);
+                if (rd < D)
+                    rows_layer<T, VPL>(src + l * step, base + dst_k, nvec, vpt, vph, head_k, tok_k, lane, rd, 0);
+            } else {
+                rows_layer<T, VPL>(src + l * step, base + dst_k, nvec, vpt, vph, head_k, tok_k, lane, 0, gather);
+            }
+        }
+        if (do_v) rows_layer<T, VPL>(vsrc + l * step, base + dst_v, nvec, vpt, vph, head_v, tok_v, lane, 0, gather);
     }
 }
 
-template <typename T, int G, int HB, int VPL, int LB>
+template <typename T, int G, int HB, int VPL, int KVF>
 __global__ void kmesh_place_runs(
     const long long* __restrict__ runs,                  // [R, RUN_COLS] (see RunCol)
     const long long* __restrict__ pos,                   // [2, T_total] old | new positions (rope only)
@@ -406,32 +408,22 @@ __global__ void kmesh_place_runs(
     int gather, int rope, int neox, int rd,
     const float* __restrict__ cos_sin, const float* __restrict__ fp8_table, const float* __restrict__ k_scale)
 {
-    constexpr int EPV = 16 / (int)sizeof(T);
     const int lane = threadIdx.x & 31;
     const long long unit = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long long per_kv = R * ((L + LG - 1) / LG);
-    const int kvsel = (int)(unit / per_kv);
-    if (kvsel > 1) return;  // whole warps leave together
+    const int kvsel = KVF ? 0 : (int)(unit / per_kv);
+    if (unit >= (KVF ? 1 : 2) * per_kv) return;  // whole warps leave together
     const long long rest = unit - kvsel * per_kv, r = rest % R;
     const int l0 = (int)(rest / R) * LG, lend = min(L, l0 + LG);
     const long long* row = runs + r * RUN_COLS;
-    const long long tok0 = row[RUN_TOK0], cache_l = row[RUN_CACHE];
     const long long step = row[RUN_STEP] / (long long)sizeof(T);  // elements per (K|V, layer) plane
-    const int len = (int)row[RUN_LEN];
-    T* src = reinterpret_cast<T*>(row[RUN_SRC]) + (long long)kvsel * L * step;
-    const long long dst_off = row[kvsel ? RUN_DST_V : RUN_DST_K];
-    const int vph = D / EPV, vpt = H * vph, nvec = len * vpt;
-    const int s_head = kvsel ? head_v : head_k, s_tok = kvsel ? tok_v : tok_k;
-    const bool rotate = rope && !gather && kvsel == 0;
-    if (rotate) {
-        if (neox)
-            run_shift<T, true, G, HB, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, len, H, D, s_head, s_tok, rd,
-                                      lane, pos, T_total, tok0, cos_sin, fp8_table, k_scale);
-        else
-            run_shift<T, false, G, HB, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, len, H, D, s_head, s_tok, rd,
-                                       lane, pos, T_total, tok0, cos_sin, fp8_table, k_scale);
-        if (rd == D) return;
-    }
-    run_rows<T, VPL, LB>(src, step, layer_base, cache_l, dst_off, l0, lend, nvec, vpt, vph, s_head, s_tok, lane,
-                         rotate ? rd : 0, gather);
+    T* src = reinterpret_cast<T*>(row[RUN_SRC]);
+    if (neox)
+        run_unit<T, true, G, HB, VPL, KVF>(kvsel, src, step, layer_base, row[RUN_CACHE], row[RUN_DST_K], row[RUN_DST_V],
+                                           l0, lend, L, (int)row[RUN_LEN], H, D, head_k, head_v, tok_k, tok_v, gather,
+                                           rope != 0, rd, lane, pos, T_total, row[RUN_TOK0], cos_sin, fp8_table, k_scale);
+    else
+        run_unit<T, false, G, HB, VPL, KVF>(kvsel, src, step, layer_base, row[RUN_CACHE], row[RUN_DST_K], row[RUN_DST_V],
+                                            l0, lend, L, (int)row[RUN_LEN], H, D, head_k, head_v, tok_k, tok_v, gather,
+                                            rope != 0, rd, lane, pos, T_total, row[RUN_TOK0], cos_sin, fp8_table, k_scale);
 }

@@ -382,3 +382,170 @@ def test_run_rows_split():
     assert length.max() == 3 and length.sum() == (slots >= 0).sum()
     first, length = _run_rows(np.array([-1, -1], dtype=np.int64), np.zeros(2, dtype=np.int64), 16, 8)
     assert first.size == 0 and length.size == 0
+
+
+# prepare_place_many's fast path (one cache tensor, host int64 indices) against the general path:
+# the same bits, the same run tables, and the same typed errors with nothing written.
+def _fast_vs_general(fn):
+    import importlib
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    out = {}
+    for fast in (True, False):
+        saved = place_mod._FAST
+        place_mod._FAST = fast
+        try:
+            out[fast] = fn()
+        finally:
+            place_mod._FAST = saved
+    return out[True], out[False]
+
+
+def _fast_batch(gen, layout, T=(5, 7, 4), skip=True):
+    kvs = [_segment(torch.bfloat16, t, gen) for t in T]
+    perm = torch.randperm(layout.num_slots, generator=gen)
+    slots, olds, news, at = [], [], [], 0
+    for t in T:
+        slots.append(perm[at:at + t].clone())
+        at += t
+        olds.append(torch.randint(0, MAXPOS, (t,), generator=gen))
+        news.append(torch.randint(0, MAXPOS, (t,), generator=gen))
+    if skip:
+        slots[1][2] = -1
+    return kvs, slots, olds, news
+
+
+@pytest.mark.parametrize("backend", ["warp", "torch"])
+def test_fast_path_matches_general_path(backend):
+    gen = torch.Generator().manual_seed(3)
+    layout = KVLayout.from_vllm("NHD", num_layers=DIMS["L"], num_blocks=DIMS["B"], block_size=DIMS["N"],
+                                num_kv_heads=DIMS["H"], head_size=DIMS["D"], dtype=torch.bfloat16)
+    rope = _rope("neox", torch.bfloat16)
+    kvs, slots, olds, news = _fast_batch(gen, layout)
+    olds[1][2] = MAXPOS + 5  # out of range, but its token is skipped: never read, accepted
+
+    def run():
+        cache = layout.allocate(fill=POISON)
+        place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds, new_positions=news, backend=backend)
+        return _bits(cache)
+
+    fast, general = _fast_vs_general(run)
+    assert torch.equal(fast, general)
+
+
+def test_fast_run_table_matches_general(monkeypatch):
+    """The run kernel's tables (built on the CPU as for CUDA) from both paths: same runs, positions,
+    layer bases; consecutive slots across items and blocks, a mid-block start, a skipped token."""
+    import importlib
+
+    import numpy as np
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    from kmesh_gpu import _backend
+
+    monkeypatch.setattr(_backend, "choose", lambda backend, device: "cupy")
+    L, H, D, N = 3, 2, 64, 16
+    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=12, block_size=N, num_kv_heads=H, head_size=D,
+                                dtype=torch.bfloat16)
+    rope = RopeSpec(D, D, 10000.0, True, MAXPOS, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    T = (20, 33, 9)
+    kvs = [_segment(torch.bfloat16, t, gen, L=L, H=H, D=D) for t in T]
+    starts = (5, 25, 7 * N + 3)
+    slots = [torch.arange(s, s + t, dtype=torch.int64) for s, t in zip(starts, T)]
+    slots[1][4] = -1
+    olds = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+    news = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+    cache = layout.allocate(fill=0)
+
+    def prep():
+        return place_mod.prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds,
+                                            new_positions=news)
+
+    fast, general = _fast_vs_general(prep)
+    assert fast.tables["runs"] is not None and general.tables["runs"] is not None
+
+    def host(launch):
+        runs_ptr, pos_ptr, base_ptr, R = launch.tables["run_args"]
+        Ttot = launch.tables["total"]
+        buf = launch.tables.get("buffer")
+        if buf is not None:  # fast path: [layer bases | old, new | runs] in one buffer
+            h = buf.numpy()
+            return h[L + 2 * Ttot:].reshape(R, -1), h[L:L + 2 * Ttot].reshape(2, Ttot), h[:L]
+        t = launch.tables
+        return t["runs"].numpy(), t["tok"].numpy()[6:8], t["layer_base"].numpy()
+
+    for a, b in zip(host(fast), host(general)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["dup", "range", "neg", "pos", "dtype", "length", "kv", "kscale"])
+def test_fast_path_bad_inputs_raise_like_general(case):
+    gen = torch.Generator().manual_seed(9)
+    layout = KVLayout.from_vllm("NHD", num_layers=DIMS["L"], num_blocks=DIMS["B"], block_size=DIMS["N"],
+                                num_kv_heads=DIMS["H"], head_size=DIMS["D"], dtype=torch.bfloat16)
+    rope = _rope("neox", torch.bfloat16)
+    kvs, slots, olds, news = _fast_batch(gen, layout, skip=False)
+    kw = {}
+    if case == "dup":
+        slots[2][1] = slots[0][3]
+    elif case == "range":
+        slots[1][0] = layout.num_slots
+    elif case == "neg":
+        slots[0][0] = -2
+    elif case == "pos":
+        news[2][3] = MAXPOS
+    elif case == "dtype":
+        olds[1] = olds[1].to(torch.int32)
+    elif case == "length":
+        slots[2] = slots[2][:-1]
+    elif case == "kv":
+        kvs[1] = kvs[1].float()
+    else:
+        kw = dict(k_scale=0.5)
+
+    def run():
+        cache = layout.allocate(fill=POISON)
+        before = cache.clone()
+        with pytest.raises(LayoutError) as err:
+            place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds, new_positions=news,
+                       backend="warp", **kw)
+        assert torch.equal(_bits(cache), _bits(before))
+        return str(err.value)
+
+    fast, general = _fast_vs_general(run)
+    assert fast == general
+
+
+def test_runs_split_matches_a_loop():
+    """_run_rows against a token-by-token loop: random slots, skipped tokens, item changes, caps."""
+    import numpy as np
+
+    from kmesh_gpu.place import _run_rows
+
+    def loop(slots, item, N, cap):
+        out = []
+        for t in range(slots.size):
+            s = int(slots[t])
+            if s < 0:
+                continue
+            if (t > 0 and slots[t - 1] >= 0 and item[t] == item[t - 1] and s == slots[t - 1] + 1 and s % N
+                    and (cap >= N or s % cap)):
+                out[-1][1] += 1
+            else:
+                out.append([t, 1])
+        return out
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(0, 60))
+        N, cap = int(rng.choice([4, 5, 12, 16])), int(rng.choice([1, 3, 8, 16, 32]))
+        if rng.random() < 0.3:
+            sl = rng.integers(-1, 120, n)
+        else:
+            sl = np.arange(n) + int(rng.integers(0, 40))
+            sl[rng.random(n) < 0.1] = -1
+        sl = sl.astype(np.int64)
+        item = np.sort(rng.integers(0, 4, n))
+        first, length = _run_rows(sl, item, N, cap)
+        assert [list(r) for r in zip(first.tolist(), length.tolist())] == loop(sl, item, N, cap)
