@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -146,37 +148,110 @@ def _layout_offsets(headers: list[SegmentHeader]) -> tuple[list[int], int]:
     return offsets, max(total, ALIGN)
 
 
+def _kv_views(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[int]) -> list[torch.Tensor]:
+    """Each object's ``(2, L, T, H, D)`` tensor as a view of ``buffer`` (``SegmentHeader.kv_view``'s
+    result, made with one strided view per object of one typed view of the buffer)."""
+    kvs, typed = [], {}
+    for h, o in zip(headers, offsets):
+        dt = h.torch_dtype
+        size = dt.itemsize
+        shape = h.shape
+        if o % size or h.payload_length != math.prod(shape) * size or buffer.numel() % size:
+            kvs.append(h.kv_view(buffer[o: o + h.padded_length]))
+            continue
+        view = typed.get(dt)
+        if view is None:
+            view = typed[dt] = buffer.view(dt)
+        strides, acc = [0] * len(shape), 1
+        for i in range(len(shape) - 1, -1, -1):
+            strides[i] = acc
+            acc *= shape[i]
+        kvs.append(view.as_strided(shape, strides, o // size))
+    return kvs
+
+
+# torch's current stream as (stream_id, device_index, device_type) and its setter, without building
+# Stream objects (torch.cuda.stream's context does that and more on every entry); None where absent
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+
+
+class _On:
+    """``with``: ``stream`` (on the current device) is torch's current stream inside the block."""
+
+    __slots__ = ("ids", "prev")
+
+    def __init__(self, ids: tuple):
+        self.ids = ids
+
+    def __enter__(self):
+        self.prev = _GET_STREAM(self.ids[1])
+        _SET_STREAM(stream_id=self.ids[0], device_index=self.ids[1], device_type=self.ids[2])
+
+    def __exit__(self, *exc):
+        p = self.prev
+        _SET_STREAM(stream_id=p[0], device_index=p[1], device_type=p[2])
+
+
+def _ids(stream) -> tuple:
+    return stream.stream_id, stream.device_index, stream.device_type
+
+
+_THREAD = threading.local()  # per thread and device: the copy and work streams, and digest side streams
+
+
 class _Streams:
     """Where one restore's device work runs (see the module docstring).
 
     ``copy`` takes the H2D copies, ``work`` the root comparison and placement; each object's digest
     runs on one of a few side streams (:meth:`on_digest`), so digests of objects that land together
     run at once rather than one after another (a tree digest is latency-bound: a few hundred
-    threads per object leave the GPU mostly idle). All first wait for the caller's current stream;
-    :meth:`join` makes the caller's stream wait for all of them. On the CPU there are no streams:
-    every step runs inline, in the order it is issued.
+    threads per object leave the GPU mostly idle). All first wait for the caller's current stream
+    (one event); :meth:`join` makes the caller's stream wait for all of them. On the CPU there are
+    no streams: every step runs inline, in the order it is issued.
+
+    The streams are taken from torch's pool once per thread and device and reused by that
+    thread's later restores (each ends synchronised), so a restore creates no stream objects.
     """
 
     SIDE_STREAMS = 4
 
     def __init__(self, device: torch.device):
-        self.caller = self.copy = self.work = None
+        self.caller = self.copy = self.work = self.start = None
         self.device = device
         self._sides: list = []
         self._next_side = 0
+        self._joined = False
+        self._lean, self._pool = False, []
         if device.type == "cuda":
-            self.caller = torch.cuda.current_stream(device)
-            # From torch's per-device stream pool: nothing is created per call.
-            self.copy = torch.cuda.Stream(device=device)
-            self.work = torch.cuda.Stream(device=device)
-            self.copy.wait_stream(self.caller)
-            self.work.wait_stream(self.caller)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.caller = torch.cuda.current_stream(index)
+            cache = getattr(_THREAD, "streams", None)
+            if cache is None:
+                cache = _THREAD.streams = {}
+            own = cache.get(index)
+            if own is None:  # From torch's per-device stream pool, once per thread.
+                own = cache[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index), [])
+            self.copy, self.work, self._pool = own
+            self.start = torch.cuda.Event()
+            self.start.record(self.caller)
+            self.copy.wait_event(self.start)
+            self.work.wait_event(self.start)
+            # the lean stream switch where torch offers it and the restore runs on the current device
+            self._lean = _GET_STREAM is not None and _SET_STREAM is not None \
+                and index == torch.cuda.current_device()
+            self._copy_ids, self._work_ids = _ids(self.copy), _ids(self.work)
+
+    def _on(self, stream, ids=None):
+        if not self._lean:
+            return torch.cuda.stream(stream)
+        return _On(ids or _ids(stream))
 
     def on_copy(self):
-        return torch.cuda.stream(self.copy) if self.copy is not None else contextlib.nullcontext()
+        return self._on(self.copy, self._copy_ids) if self.copy is not None else contextlib.nullcontext()
 
     def on_work(self):
-        return torch.cuda.stream(self.work) if self.work is not None else contextlib.nullcontext()
+        return self._on(self.work, self._work_ids) if self.work is not None else contextlib.nullcontext()
 
     def copied(self):
         """An event completing after every copy issued so far (``None`` on the CPU)."""
@@ -196,15 +271,18 @@ class _Streams:
         if self.work is None:
             return contextlib.nullcontext()
         if len(self._sides) < self.SIDE_STREAMS:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(self.caller)
+            k = len(self._sides)
+            if k == len(self._pool):  # the thread's side streams, taken from torch's pool once
+                self._pool.append(torch.cuda.Stream(device=self.caller.device_index))
+            side = self._pool[k]
+            side.wait_event(self.start)
             self._sides.append(side)
         else:
             side = self._sides[self._next_side % self.SIDE_STREAMS]
         self._next_side += 1
         if event is not None:
             side.wait_event(event)
-        return torch.cuda.stream(side)
+        return self._on(side)
 
     def digests_done(self) -> None:
         """Work issued from now on runs after every digest."""
@@ -212,11 +290,18 @@ class _Streams:
             self.work.wait_stream(side)
 
     def join(self) -> None:
-        if self.caller is not None:
+        """The caller's stream waits for every stream of this restore (once; later calls do nothing)."""
+        if self.caller is not None and not self._joined:
+            self._joined = True
             self.caller.wait_stream(self.copy)
             self.caller.wait_stream(self.work)
             for side in self._sides:
                 self.caller.wait_stream(side)
+
+    def sync(self) -> None:
+        """Wait on the host for the caller's stream (everything joined into it)."""
+        if self.caller is not None:
+            self.caller.synchronize()
 
 
 def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
@@ -257,9 +342,10 @@ class _Placement:
         old = new = None
         if rope is not None:
             new = [t.new_positions for t in targets]
-            # the stored positions stay on the host: placement checks and tabulates indices there
-            flat = torch.from_numpy(np.concatenate([h.positions for h in headers]).astype(np.int64))
-            old = list(torch.split(flat, [h.num_tokens for h in headers]))
+            # the stored positions stay on the host (placement checks and tabulates indices there),
+            # viewed as tensors where they already are int64
+            old = [torch.from_numpy(p if p.dtype == np.int64 and p.flags.writeable else p.astype(np.int64))
+                   for p in (h.positions for h in headers)]
         with streams.on_work():
             self.launch = prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=old,
                                              new_positions=new, k_scale=k_scale, backend=backend)
@@ -478,7 +564,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                              headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
         # 3. While the bytes move: the verifier and the placement (validation and launch tables).
         verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
-        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        kvs = _kv_views(buffer, headers, offsets)
         placement = None
         if cache is not None:
             tp = time.perf_counter()
@@ -546,7 +632,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             placement.run()
             report.placed = True
         streams.join()
-        _sync(device)
+        streams.sync()
     finally:
         if streams is not None:
             streams.join()
@@ -719,7 +805,7 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             files.append(f)
             futures.append(f.pread(buffer[off: off + header.padded_length], header.padded_length,
                                    header.payload_offset))
-        kvs = [h.kv_view(buffer[o: o + h.padded_length]) for h, o in zip(headers, offsets)]
+        kvs = _kv_views(buffer, headers, offsets)
         placement = None
         if cache is not None:  # prepared while kvikio reads
             tp = time.perf_counter()
@@ -744,7 +830,7 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             placement.run()
             report.placed = True
         streams.join()
-        _sync(device)
+        streams.sync()
     finally:
         if streams is not None:
             streams.join()

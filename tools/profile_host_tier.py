@@ -2,6 +2,11 @@
 spends its time: wall per child, then cProfile of 40 children (top functions by own and cumulative
 time), then a CUDA-event view of the device side of one child.
 
+On a machine without a GPU, ``--device cpu --skip-kernel`` measures the host path alone: the
+placement launch (the Warp kernel running on the CPU there) is skipped, and the host memcpy that
+stands in for the H2D copies is timed separately and reported beside the wall; ``--emulate-cupy``
+then builds the CUDA backend's tables (the run kernel's, as on the GPU) instead of Warp's.
+
 Usage (GPU machine): PYTHONPATH=. python tools/profile_host_tier.py [--out DIR]
 """
 
@@ -29,8 +34,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-kernel", action="store_true",
+                    help="do not run the placement launch (CPU: time the host path without Warp's CPU kernel)")
+    ap.add_argument("--emulate-cupy", action="store_true",
+                    help="with --skip-kernel on the CPU: build the CUDA backend's launch tables (the GPU's host path)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.skip_kernel:
+        import importlib
+
+        importlib.import_module("kmesh_gpu.place")._Launch.run = lambda self: None
+        if args.emulate_cupy:
+            from kmesh_gpu import _backend
+
+            _backend.choose = lambda backend, dev: "cupy"
     with tempfile.TemporaryDirectory() as tmp:
         wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
         work = rs.Workload(wargs, device)
@@ -47,12 +64,29 @@ def main() -> None:
                 walls.append(r["restore_s"] * 1e3)
                 prep.append(r["prepare_s"] * 1e3)
             lines.append(f"host-tier restore: median {statistics.median(walls):.3f} ms (min {min(walls):.3f}); "
-                         f"placement preparation median {statistics.median(prep):.3f} ms")
+                         f"placement preparation median {statistics.median(prep):.3f} ms"
+                         + (" (placement launch skipped)" if args.skip_kernel else ""))
+            if device.type == "cpu":  # the host memcpy standing in for the H2D copies
+                src = [torch.empty(h.padded_length, dtype=torch.uint8) for h in work.headers]
+                dst = torch.empty(sum(h.padded_length for h in work.headers), dtype=torch.uint8)
+                cps = []
+                for _ in range(20):
+                    t = time.perf_counter()
+                    o = 0
+                    for x in src:
+                        dst[o:o + x.numel()].copy_(x)
+                        o += x.numel()
+                    cps.append((time.perf_counter() - t) * 1e3)
+                cp = statistics.median(cps)
+                lines.append(f"host memcpy of the child's bytes: median {cp:.3f} ms; restore wall minus memcpy: "
+                             f"{statistics.median(walls) - cp:.3f} ms")
             prof = cProfile.Profile()
             prof.enable()
             for c in range(40):
                 work.child("host_staging", c % 4, tier, verify="device", evict=False)
             prof.disable()
+            st = pstats.Stats(prof)
+            lines.append(f"Python function calls per child (cProfile): {st.total_calls / 40:.0f}")
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)

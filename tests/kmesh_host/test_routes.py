@@ -348,6 +348,9 @@ class RecordingStreams:
     def join(self):
         self.log.append(("join",))
 
+    def sync(self):
+        pass
+
 
 @pytest.fixture
 def recorded(monkeypatch):
