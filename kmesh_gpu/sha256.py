@@ -206,6 +206,15 @@ class _Level:
         self.table_at = 0
 
 
+
+def _on_device_once(uploaded: dict, array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``, uploaded on the first call per device and kept in ``uploaded``."""
+    key = str(device)
+    t = uploaded.get(key)
+    if t is None:
+        t = uploaded[key] = torch.from_numpy(array.copy()).to(device)
+    return t
+
 class _TreePlan:
     """The device buffer of a tree computation and the launches over it.
 
@@ -225,12 +234,7 @@ class _TreePlan:
     def device_bytes(self, device: torch.device) -> torch.Tensor:
         """The constant front of the buffer (table, root records), uploaded once per device: a call
         then starts with a device-to-device copy instead of a pinned host upload."""
-        key = str(device)
-        t = self._on_device.get(key)
-        if t is None:
-            t = torch.from_numpy(self.host_bytes.copy()).to(device)
-            self._on_device[key] = t
-        return t
+        return _on_device_once(self._on_device, self.host_bytes, device)
 
 
 def _align(n: int, a: int) -> int:
@@ -308,12 +312,7 @@ class _FusedPlan:
     def device_table(self, device: torch.device) -> torch.Tensor:
         """The table on ``device``, uploaded once (the "memset" comparison path; the default path keeps
         one copy per stream, :class:`_Lane`)."""
-        key = str(device)
-        t = self._on_device.get(key)
-        if t is None:
-            t = torch.from_numpy(self.table.copy()).to(device)
-            self._on_device[key] = t
-        return t
+        return _on_device_once(self._on_device, self.table, device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -189,6 +189,16 @@ kmesh_sha256_batched(const u8* __restrict__ data,       // [M] bytes
     sha256_message(data + offsets[i], lengths[i], out + 32 * i);
 }
 
+// The last object o in [0, n) with starts[o] <= i (starts ascending, starts[0] <= i): binary search.
+__device__ __forceinline__ i64 last_at_or_below(const i64* __restrict__ starts, i64 n, i64 i) {
+    i64 lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const i64 mid = (lo + hi + 1) >> 1;
+        if (__ldg(starts + mid) <= i) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 // One tree level of many objects. `table` holds four int64 columns for the n_obj objects that still
 // have messages at this level:
 //   starts[n_obj + 1]  first message index of each object (prefix sums; starts[n_obj] = n_msgs)
@@ -206,11 +216,7 @@ kmesh_sha256_tree_level(const u8* __restrict__ src, i64 piece, const i64* __rest
     const i64* src_off = table + n_obj + 1;
     const i64* src_bytes = src_off + n_obj;
     const i64* out_off = src_bytes + n_obj;
-    i64 lo = 0, hi = n_obj - 1;                          // last object with starts[o] <= i
-    while (lo < hi) {
-        const i64 mid = (lo + hi + 1) >> 1;
-        if (__ldg(starts + mid) <= i) lo = mid; else hi = mid - 1;
-    }
+    const i64 lo = last_at_or_below(starts, n_obj, i);
     const i64 j = i - __ldg(starts + lo);
     const i64 begin = j * piece;
     const i64 left = __ldg(src_bytes + lo) - begin;
@@ -324,12 +330,7 @@ kmesh_sha256_tree_fused(const u8* __restrict__ data,     // payload bytes
     const i64* data_off = table + n_obj + 1;
     const i64* length = data_off + n_obj;
     const i64* lv_at = length + n_obj;
-    i64 lo = 0, hi = n_obj - 1;                          // last object with leaf_start[o] <= i
-    while (lo < hi) {
-        const i64 mid = (lo + hi + 1) >> 1;
-        if (__ldg(leaf_start + mid) <= i) lo = mid; else hi = mid - 1;
-    }
-    const i64 o = lo;
+    const i64 o = last_at_or_below(leaf_start, n_obj, i);
     const i64 base0 = __ldg(leaf_start + o);
     const i64 total = __ldg(length + o);
 
