@@ -3,14 +3,21 @@
 What each timed path includes (the same work on both sides, so the ratio is the service's own cost):
 
 * in-process: ``place_many`` (RoPE shift) from originals already resident on the restoring device
-  into a local cache, building the slot/position index tensors from the child's plan, then a
-  synchronisation. On CUDA the originals are uploaded once before timing, because the service keeps
-  device copies of the originals it has restored from (``ServiceConfig.device_budget_bytes``) and
-  has made them during the warm-up.
+  into a local cache, then a synchronisation. On CUDA the originals are uploaded once before
+  timing, because the service keeps device copies of the originals it has restored from
+  (``ServiceConfig.device_budget_bytes``) and has made them during the warm-up.
 * service: the client request (binary index arrays, the client's re-recorded interprocess event),
   the socket round trip, authorisation, bounds checks and block reservation, the same
   ``place_many`` from the service's device copies into the registered cache (CUDA IPC or shared
   memory), waiting for the copy's completion event, releasing the holds and the reply.
+
+Index inputs (``--inputs``), the same for both paths, so that neither pays a conversion the other
+does not: ``tensors`` (default; what a model runner holds: the child's slot and new-position
+int64 CPU tensors, built once before timing) go to ``place_many`` as they are and to
+``CacheClient.restore`` as they are (the client sends their memory without converting it).
+``lists`` (Python lists of ints): each path converts every list inside its timed region with the
+same call, ``numpy.asarray(values, dtype=int64)`` (the in-process path then views it as a tensor
+with ``torch.from_numpy``; the client sends the array). Both convert the same 8 lists.
 
 Seed-size child (seed §24): 4 shared segments of 104 tokens, 24 layers, 2 KV heads, head size 64,
 bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block size 16).
@@ -28,6 +35,8 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   them): further service restores with ``timings=True``; prints the median time between
   consecutive stages (client: start, built, sent, received; service: received, parsed, validated,
   resolved, prepared, launched, completed, reply_sent; one monotonic clock for both processes).
+  ``client.sent`` is stamped once ``sendmsg`` has returned, so the service may have stamped
+  ``received`` before it: single rows of ``sent -> service.received`` can be negative.
 
 * Polling: by default client and service poll their sockets briefly before sleeping in ``recv``
   where the machine has cores to spare (``CacheClient(reply_spin_s=)``,
@@ -51,6 +60,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,14 +106,31 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def index_inputs(plan, kind: str):
+    """The child's plan with its slots and new positions as the paths are given them: int64 CPU
+    tensors (``"tensors"``, made here, once) or the Python lists (``"lists"``)."""
+    if kind == "lists":
+        return plan
+    return [(k, torch.tensor(s, dtype=torch.int64), torch.tensor(p, dtype=torch.int64)) for k, s, p in plan]
+
+
+def as_index_tensor(values) -> torch.Tensor:
+    """What the in-process path does with one index input: a tensor is used as it is; a list is
+    converted with the very call the client uses for lists (``numpy.asarray(..., int64)``)."""
+    if isinstance(values, torch.Tensor):
+        return values
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
 def in_process_restore(cache, layout, rope, resident_originals, plan, device: str) -> None:
-    """``resident_originals``: ``(key, kv, positions)`` with ``kv`` already on ``device``."""
+    """``resident_originals``: ``(key, kv, positions)`` with ``kv`` already on ``device``; ``plan``:
+    ``(key, slots, new_positions)`` from :func:`index_inputs`."""
     kvs, slots, old, new = [], [], [], []
     for (key, kv, pos), (_, slot, newpos) in zip(resident_originals, plan):
         kvs.append(kv)
-        slots.append(torch.tensor(slot, dtype=torch.int64))
+        slots.append(as_index_tensor(slot))
         old.append(pos)
-        new.append(torch.tensor(newpos, dtype=torch.int64))
+        new.append(as_index_tensor(newpos))
     place_many(kvs, cache, layout, slots, rope=rope, old_positions=old, new_positions=new)
     sync(device)
 
@@ -116,10 +143,10 @@ def _alloc(layout, device):
     return None, t, t
 
 
-def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, barrier, out) -> None:
+def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out) -> None:
     errors, times = [], []
     try:
-        layout, plan = child_layout(), child_plan()
+        layout, plan = child_layout(), index_inputs(child_plan(), inputs)
         shared, registrable, _ = _alloc(layout, device)
         with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s) as c:
             reg = c.register(registrable, layout, rope=child_rope())
@@ -144,7 +171,7 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, barri
 
 def paired(args, client, socket_path) -> dict:
     device = args.device
-    layout, rope, plan = child_layout(), child_rope(), child_plan()
+    layout, rope, plan = child_layout(), child_rope(), index_inputs(child_plan(), args.inputs)
     resident = [(k, kv.to(device), p) for k, kv, p in originals()]  # uploaded once, like the service's copies
     sync(device)
     shared, registrable, svc_cache = _alloc(layout, device)
@@ -217,7 +244,7 @@ def concurrent(args, client, socket_path) -> dict:
     before = client.status()
     barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_proc,
-                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, barrier, out))
+                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, barrier, out))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -263,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-runs", type=int, default=21, help="restores with a per-stage breakdown (0: none)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--inputs", choices=("tensors", "lists"), default="tensors",
+                    help="index inputs of both paths: int64 CPU tensors made once, or Python lists converted "
+                         "inside the timed region by both (see the module docstring)")
     ap.add_argument("--reply-spin-s", type=float, default=None,
                     help="CacheClient(reply_spin_s=...): seconds to poll for a reply (default: auto)")
     ap.add_argument("--receive-spin-s", type=float, default=None,
@@ -284,7 +314,7 @@ def main(argv=None) -> int:
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
-              "polling": spins, "paired": pair, "concurrent": conc,
+              "index_inputs": args.inputs, "polling": spins, "paired": pair, "concurrent": conc,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_service_{args.device}.json")
@@ -292,7 +322,8 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=2)
     print(f"cache service restore, seed-size child ({SEGMENTS}x{SEG_TOKENS} tokens, {LAYERS} layers, bf16) "
           f"on {args.device} ({dev_name})")
-    print(f"polling: client {spins['reply_spin_s'] * 1e6:.0f} us, service {spins['receive_spin_s'] * 1e6:.0f} us")
+    print(f"polling: client {spins['reply_spin_s'] * 1e6:.0f} us, service {spins['receive_spin_s'] * 1e6:.0f} us; "
+          f"index inputs: {args.inputs} (both paths)")
     print(f"{'path':<14}{'median ms':>12}")
     print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
     print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")

@@ -83,26 +83,34 @@ def _ints(name: str, values) -> list[int]:
     return [int(v) for v in values]
 
 
+_I8 = np.dtype("<i8")
+
+
 def _int64(name: str, values) -> np.ndarray:
-    """``values`` (an int64[T] tensor or a sequence of integers) as a 1-D int64 array for the wire."""
+    """``values`` (an int64[T] tensor, a 1-D integer array or a sequence of integers) as a
+    C-contiguous 1-D little-endian int64 array for the wire: contiguous int64 arrays and CPU
+    tensors are used as they are (no copy), a list is converted with one call."""
     if isinstance(values, torch.Tensor):
-        if values.dtype != torch.int64 or values.dim() != 1:
+        if values.dtype is not torch.int64 or values.dim() != 1:
             raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
                               f"{list(values.shape)}")
-        return values.cpu().numpy()
-    try:
-        a = np.asarray(values, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise LayoutError(f"{name}: expected integers ({exc})") from exc
-    if a.ndim != 1:
-        raise LayoutError(f"{name}: expected a flat sequence of integers, got shape {list(a.shape)}")
+        a = (values if values.is_cpu else values.cpu()).numpy()
+    elif type(values) is np.ndarray and values.dtype is _I8 and values.ndim == 1:
+        a = values
+    else:
+        try:
+            a = np.asarray(values, dtype=_I8)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise LayoutError(f"{name}: expected integers ({exc})") from exc
+        if a.ndim != 1:
+            raise LayoutError(f"{name}: expected a flat sequence of integers, got shape {list(a.shape)}")
+    if not a.flags.c_contiguous or a.dtype is not _I8 and a.dtype != _I8:
+        a = np.ascontiguousarray(a, dtype=_I8)
     return a
 
 
-def _joined(arrays: list) -> np.ndarray:
-    if not arrays:
-        return np.empty(0, dtype=np.int64)
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+#: distinct item lists a client keeps encoded (see :func:`.protocol.restore_items`)
+_ITEMS_KEPT = 256
 
 
 class CacheClient:
@@ -127,6 +135,7 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # reg id -> (event, IPC handle)
+        self._items: dict[tuple, protocol.RestoreItems] = {}  # (keys, slot counts, position counts) -> encoded
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -299,33 +308,46 @@ class CacheClient:
         handed to the socket right after).
         """
         stamps = {"start": time.monotonic_ns()} if timings else None
-        if reg.secret_bytes is None or len(reg.secret_bytes) != protocol.SECRET_BYTES:
+        secret = reg.secret_bytes
+        if secret is None or len(secret) != protocol.SECRET_BYTES:
             raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
-        keys, slot_counts, position_counts, slots, new_positions = [], [], [], [], []
+        keys, slot_counts, position_counts, arrays, shifts = [], [], [], [], []
         for i, it in enumerate(items):
-            if not isinstance(it, RestoreItem):
-                it = RestoreItem(*it)
-            if type(it.key) is not str:
-                raise ProtocolError(f"items[{i}].key: expected str, got {type(it.key).__name__}")
-            s = _int64("slots", it.slots)
-            keys.append(it.key)
-            slots.append(s)
+            if type(it) is RestoreItem:
+                key, slots, new_positions = it.key, it.slots, it.new_positions
+            elif type(it) is tuple and len(it) == 3:
+                key, slots, new_positions = it
+            elif type(it) is tuple and len(it) == 2:
+                (key, slots), new_positions = it, None
+            else:
+                it = it if isinstance(it, RestoreItem) else RestoreItem(*it)
+                key, slots, new_positions = it.key, it.slots, it.new_positions
+            if type(key) is not str:
+                raise ProtocolError(f"items[{i}].key: expected str, got {type(key).__name__}")
+            s = _int64("slots", slots)
+            keys.append(key)
+            arrays.append(s)
             slot_counts.append(s.shape[0])
-            if it.new_positions is None:
+            if new_positions is None:
                 position_counts.append(None)
             else:
-                p = _int64("new_positions", it.new_positions)
-                new_positions.append(p)
+                p = _int64("new_positions", new_positions)
+                shifts.append(p)
                 position_counts.append(p.shape[0])
-        all_slots = _joined(slots)
-        all_new = _joined(new_positions)
-        keys, slot_counts, position_counts = tuple(keys), tuple(slot_counts), tuple(position_counts)
+        arrays += shifts  # the body: every item's slots, then the shifted items' new positions
+        signature = (tuple(keys), tuple(slot_counts), tuple(position_counts))
+        encoded = self._items.get(signature)
+        if encoded is None:
+            encoded = protocol.restore_items(*signature)
+            if len(self._items) >= _ITEMS_KEPT:
+                self._items.clear()
+            self._items[signature] = encoded
+        inject = inject or None
 
         def build(rid, event):
-            return protocol.encode_restore(protocol.RestoreRequest(
-                rid, reg.reg_id, reg.secret_bytes, keys, slot_counts, position_counts, all_slots, all_new, wait=wait,
-                timeout=timeout, timings=timings, wait_event=event, model_fingerprint=model_fingerprint,
-                inject=inject or None), max_body_bytes=self.max_body_bytes)
+            return protocol.restore_frame(encoded, rid, reg.reg_id, secret, arrays, wait=wait, timeout=timeout,
+                                          timings=timings, wait_event=event, model_fingerprint=model_fingerprint,
+                                          inject=inject, max_body_bytes=self.max_body_bytes)
 
         rid, flags, buf, body = self._exchange("restore", build, reg, stamps)
         raw = memoryview(buf)[:len(buf) - len(body)]

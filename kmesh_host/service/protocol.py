@@ -33,6 +33,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -136,23 +137,18 @@ def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_wh
 
     Returns the byte count read (0: end of stream) or -1 when nothing came in time. A thread asleep
     in ``recv`` wakes well after the data arrives (scheduler and idle-state exit latency), which a
-    sub-millisecond request cannot afford; the socket's own timeout is put back afterwards. Each
-    empty poll yields the CPU, so that on a busy core the peer that is to answer runs first; polling
+    sub-millisecond request cannot afford. The caller has made ``sock`` non-blocking. Each empty
+    poll yields the CPU, so that on a busy core the peer that is to answer runs first; polling
     also stops as soon as ``spin_while()`` (when given) is false.
     """
-    idle_timeout = sock.gettimeout()
-    sock.settimeout(0.0)  # non-blocking: recv_into returns at once instead of polling first
-    try:
-        deadline = time.monotonic() + spin_s
-        while True:
-            try:
-                return sock.recv_into(view, len(view))
-            except (BlockingIOError, InterruptedError):
-                if time.monotonic() >= deadline or (spin_while is not None and not spin_while()):
-                    return -1
-                os.sched_yield()
-    finally:
-        sock.settimeout(idle_timeout)
+    deadline = time.monotonic() + spin_s
+    while True:
+        try:
+            return sock.recv_into(view, len(view))
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= deadline or (spin_while is not None and not spin_while()):
+                return -1
+            os.sched_yield()
 
 
 def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -163,28 +159,35 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
 
     Two reads in the common case: the prefix (waiting without limit, or the socket's own timeout,
     for its first byte; polling without sleeping for up to ``spin_s`` first, while ``spin_while()``
-    holds when given), then header and body
-    together. The socket's timeout is switched to ``frame_timeout`` only when a frame arrives in
-    pieces, and put back afterwards. Raises :class:`ConnectionClosed` at end of stream and
+    holds when given), then whatever of the header and body has arrived, without waiting (all of
+    it, usually). The socket's timeout is switched to ``frame_timeout`` only when a frame arrives
+    in pieces, and put back afterwards. Raises :class:`ConnectionClosed` at end of stream and
     :class:`FatalFrameError` when the prefix is invalid (the caller must close).
     """
     prefix = bytearray(PREFIX.size)
     pview = memoryview(prefix)
-    k = _recv_spinning(sock, pview, spin_s, spin_while) if spin_s > 0 else -1
     idle_timeout = sock.gettimeout()
-    if k < 0:
-        try:
-            k = sock.recv_into(pview, PREFIX.size)
-        except socket.timeout as exc:
-            raise ConnectionClosed("idle timeout") from exc
-    if k == 0:
-        raise ConnectionClosed("connection closed")
-    switched = False
+    current = idle_timeout  # the socket's timeout now: put back to idle_timeout before returning
+    k = -1
     try:
+        if spin_s > 0:
+            sock.settimeout(0.0)  # non-blocking: recv_into returns at once instead of polling first
+            current = 0.0
+            k = _recv_spinning(sock, pview, spin_s, spin_while)
+        if k < 0:
+            if current != idle_timeout:
+                sock.settimeout(idle_timeout)
+                current = idle_timeout
+            try:
+                k = sock.recv_into(pview, PREFIX.size)
+            except socket.timeout as exc:
+                raise ConnectionClosed("idle timeout") from exc
+        if k == 0:
+            raise ConnectionClosed("connection closed")
         if k < PREFIX.size:
-            if frame_timeout != idle_timeout:
+            if current != frame_timeout:
                 sock.settimeout(frame_timeout)
-                switched = True
+                current = frame_timeout
             _recv_exact(sock, pview, k)
         magic, version, flags, header_len, body_len = PREFIX.unpack(prefix)
         if magic != MAGIC:
@@ -197,21 +200,22 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
         if body_len > max_body_bytes:
             raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
-        buf = bytearray(header_len + body_len)
+        n = header_len + body_len
+        buf = bytearray(n)
         view = memoryview(buf)
         try:
-            # whatever has arrived already, without waiting (blocking sockets only: a socket with a
-            # timeout polls before it reads, which is what the next read does anyway)
-            got = sock.recv_into(view, len(buf), socket.MSG_DONTWAIT) if idle_timeout is None else 0
+            # whatever has arrived already, without waiting (a socket with a timeout would poll
+            # before it reads, which the read below does anyway)
+            got = sock.recv_into(view, n, socket.MSG_DONTWAIT) if current is None or current == 0.0 else 0
         except (BlockingIOError, InterruptedError):
             got = 0
-        if got < len(buf):
-            if not switched and frame_timeout != idle_timeout:
+        if got < n:
+            if current != frame_timeout:
                 sock.settimeout(frame_timeout)
-                switched = True
+                current = frame_timeout
             _recv_exact(sock, view, got)
     finally:
-        if switched:
+        if current != idle_timeout:
             sock.settimeout(idle_timeout)
     return flags, buf, view[header_len:]
 
@@ -248,10 +252,13 @@ def send_message(sock: socket.socket, header: dict, body: bytes | bytearray | me
 
 
 def send_parts(sock: socket.socket, parts: list) -> None:
-    """Send a frame given as byte buffers (``bytes`` or byte-format memoryviews: prefix and header,
-    then arrays) with one ``sendmsg`` in the common case, without joining them first."""
+    """Send a frame given as buffers (``bytes``, memoryviews or C-contiguous arrays: prefix and
+    header, then arrays) with one ``sendmsg`` in the common case, without joining them first."""
     sent = sock.sendmsg(parts)
-    if sent < sum(len(p) for p in parts):  # the socket buffer was full: send the rest in order
+    total = 0
+    for p in parts:
+        total += len(p) if type(p) is bytes else p.nbytes if type(p) is np.ndarray else memoryview(p).nbytes
+    if sent < total:  # the socket buffer was full: send the rest in order
         sock.sendall(b"".join(parts)[sent:])
 
 
@@ -407,9 +414,11 @@ _EXTRAS = ("model_fingerprint", "inject")
 RESTORE_STAGES = ("received", "parsed", "validated", "resolved", "prepared", "launched", "completed", "reply_sent")
 OP_STATES = ("submitting", "pending", "drained")
 _ZERO_PAD = bytes(8)
+#: the most buffers :func:`restore_frame` hands to one ``sendmsg`` (arrays beyond: joined first)
+_MAX_PARTS = 64
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RestoreRequest:
     """One restore request, as the client builds it and as :func:`decode_restore` returns it.
 
@@ -437,8 +446,7 @@ class RestoreRequest:
     inject: dict | None = None
 
 
-@dataclass(frozen=True)
-class RestoreReply:
+class RestoreReply(NamedTuple):
     """A successful restore's reply: the operation id and state, and the service's stage timestamps
     (monotonic ns by :data:`RESTORE_STAGES` name) when the request asked for them."""
 
@@ -448,72 +456,122 @@ class RestoreReply:
     timings: dict | None = None
 
 
-def _byte_view(a: np.ndarray) -> memoryview:
-    return memoryview(a).cast("B")
+#: prefix and fixed part of a restore request, packed at once
+_RESTORE_HEAD = struct.Struct("<4sHHII" + RESTORE_REQUEST.format.lstrip("<"))
+_REPLY_HEAD = struct.Struct("<4sHHII" + RESTORE_REPLY.format.lstrip("<"))
+_REPLY_HEAD_STAMPS = struct.Struct(_REPLY_HEAD.format + _STAMPS.format.lstrip("<"))
+_STATE_INDEX = {s: i for i, s in enumerate(OP_STATES)}
+
+
+@dataclass(frozen=True)
+class RestoreItems:
+    """The item part of a restore request's header, encoded once (see :func:`restore_items`): the
+    count table and the keys (``raw``), with what the rest of the frame needs to know of them."""
+
+    n: int
+    raw: bytes
+    keys_len: int
+    n_slots: int
+    n_new: int
+
+
+def restore_items(keys, slot_counts, position_counts) -> RestoreItems:
+    """Encode and check a restore's items (``position_counts[i]`` ``None``: no shift). Raises
+    :class:`ProtocolError` for items the service would refuse to parse. The result depends on
+    these values only, so a client may keep it for requests with the same items."""
+    n = len(keys)
+    if not 1 <= n <= MAX_RESTORE_ITEMS:
+        raise ProtocolError(f"items: expected 1..{MAX_RESTORE_ITEMS} restore items, got {n}")
+    if len(slot_counts) != n or len(position_counts) != n:
+        raise ProtocolError(f"items: {n} keys, {len(slot_counts)} slot counts, {len(position_counts)} "
+                            "position counts")
+    raw_keys = [k.encode("utf-8") for k in keys]
+    counts = [-1 if c is None else c for c in position_counts]
+    try:
+        if max(map(len, raw_keys)) > MAX_KEY_BYTES or min(slot_counts) < 0 or min(counts) < -1:
+            raise ProtocolError(f"items: key over {MAX_KEY_BYTES} bytes or a negative count")
+        table = struct.pack(f"<{3 * n}i", *[v for row in zip(map(len, raw_keys), slot_counts, counts) for v in row])
+    except (TypeError, struct.error) as exc:
+        raise ProtocolError(f"items: counts must be int32 ({exc})") from exc
+    blob = b"".join(raw_keys)
+    return RestoreItems(n, table + blob, len(blob), sum(slot_counts), sum(c for c in counts if c > 0))
+
+
+def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: bytes, arrays, *, wait: bool = True,
+                  timeout: float | None = None, timings: bool = False, wait_event: bytes | None = None,
+                  model_fingerprint: dict | None = None, inject: dict | None = None,
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list:
+    """A restore request's frame as buffers for :func:`send_parts`: the prefix and header (one
+    ``bytes``), then ``arrays``, which the caller guarantees are C-contiguous little-endian int64
+    arrays holding, end to end, every item's slots, then the shifted items' new positions
+    (``items.n_slots + items.n_new`` values in all, checked). Empty arrays are left out."""
+    if len(secret) != SECRET_BYTES:
+        raise ProtocolError(f"secret: expected {SECRET_BYTES} bytes, got {len(secret)}")
+    bits = BIT_WAIT if wait else 0
+    if timings:
+        bits |= BIT_TIMINGS
+    if timeout is None:
+        timeout_s = 0.0
+    else:
+        timeout_s = float(timeout)
+        if not 0 <= timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ProtocolError(f"timeout: expected 0..{MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
+        bits |= BIT_TIMEOUT
+    event = b""
+    if wait_event is not None:
+        if len(wait_event) != EVENT_HANDLE_BYTES:
+            raise ProtocolError(f"wait_event: a CUDA IPC event handle has {EVENT_HANDLE_BYTES} bytes, "
+                                f"got {len(wait_event)}")
+        bits |= BIT_EVENT
+        event = bytes(wait_event)
+    raw_extras = b""
+    if model_fingerprint is not None or inject is not None:
+        extras = {k: v for k, v in (("model_fingerprint", model_fingerprint), ("inject", inject)) if v is not None}
+        raw_extras = json.dumps(extras, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    end = RESTORE_REQUEST.size + len(event) + len(items.raw) + len(raw_extras)
+    pad = -end % 8
+    header_len = end + pad
+    body_len = 8 * (items.n_slots + items.n_new)
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header: {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    if body_len > max_body_bytes:
+        raise ProtocolError(f"body: {body_len} bytes exceeds the limit of {max_body_bytes}")
+    out = [None]
+    nbytes = 0
+    for a in arrays:
+        if a.nbytes:
+            nbytes += a.nbytes
+            out.append(a)
+    if nbytes != body_len:
+        raise ProtocolError(f"slots/new_positions: the items count {items.n_slots} and {items.n_new}, the arrays "
+                            f"hold {nbytes // 8} values in all")
+    if len(out) > _MAX_PARTS:  # sendmsg takes a bounded number of buffers
+        out[1:] = [np.concatenate(out[1:])]
+    try:
+        head = _RESTORE_HEAD.pack(MAGIC, VERSION, FLAG_BINARY, header_len, body_len, KIND_RESTORE, bits, items.n,
+                                  request_id, reg_id, secret, timeout_s, items.keys_len, len(raw_extras))
+    except struct.error as exc:
+        raise ProtocolError(f"restore: a field is out of range ({exc})") from exc
+    out[0] = b"".join((head, event, items.raw, raw_extras, _ZERO_PAD[:pad])) if event or raw_extras or pad \
+        else head + items.raw
+    return out
 
 
 def encode_restore(req: RestoreRequest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list:
     """The frame of ``req`` as byte buffers for :func:`send_parts` (the index arrays are not copied
     when they already are contiguous little-endian int64). Raises :class:`ProtocolError` for a
     request the service would refuse to parse."""
-    n = len(req.keys)
-    if not 1 <= n <= MAX_RESTORE_ITEMS:
-        raise ProtocolError(f"items: expected 1..{MAX_RESTORE_ITEMS} restore items, got {n}")
-    if len(req.slot_counts) != n or len(req.position_counts) != n:
-        raise ProtocolError(f"items: {n} keys, {len(req.slot_counts)} slot counts, {len(req.position_counts)} "
-                            "position counts")
     if len(req.secret) != SECRET_BYTES:
         raise ProtocolError(f"secret: expected {SECRET_BYTES} bytes, got {len(req.secret)}")
-    raw_keys = [k.encode("utf-8") for k in req.keys]
-    counts = [-1 if c is None else c for c in req.position_counts]
-    try:
-        if max(map(len, raw_keys)) > MAX_KEY_BYTES or min(req.slot_counts) < 0 or min(counts) < -1:
-            raise ProtocolError(f"items: key over {MAX_KEY_BYTES} bytes or a negative count")
-        table = struct.pack(f"<{3 * n}i", *[v for row in zip(map(len, raw_keys), req.slot_counts, counts) for v in row])
-    except (TypeError, struct.error) as exc:
-        raise ProtocolError(f"items: counts must be int32 ({exc})") from exc
+    items = restore_items(req.keys, req.slot_counts, req.position_counts)
     slots = np.ascontiguousarray(req.slots, dtype="<i8")
     new = np.ascontiguousarray(req.new_positions, dtype="<i8")
-    n_slots, n_new = sum(req.slot_counts), sum(c for c in counts if c > 0)
-    if slots.ndim != 1 or new.ndim != 1 or slots.shape[0] != n_slots or new.shape[0] != n_new:
-        raise ProtocolError(f"slots/new_positions: the items count {n_slots} and {n_new}, the arrays hold "
+    if slots.ndim != 1 or new.ndim != 1 or slots.shape[0] != items.n_slots or new.shape[0] != items.n_new:
+        raise ProtocolError(f"slots/new_positions: the items count {items.n_slots} and {items.n_new}, the arrays hold "
                             f"{list(slots.shape)} and {list(new.shape)}")
-    bits = BIT_WAIT * bool(req.wait) | BIT_TIMINGS * bool(req.timings)
-    timeout = 0.0
-    if req.timeout is not None:
-        timeout = float(req.timeout)
-        if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
-            raise ProtocolError(f"timeout: expected 0..{MAX_TIMEOUT_S:g} seconds, got {req.timeout!r}")
-        bits |= BIT_TIMEOUT
-    event = b""
-    if req.wait_event is not None:
-        if len(req.wait_event) != EVENT_HANDLE_BYTES:
-            raise ProtocolError(f"wait_event: a CUDA IPC event handle has {EVENT_HANDLE_BYTES} bytes, "
-                                f"got {len(req.wait_event)}")
-        bits |= BIT_EVENT
-        event = bytes(req.wait_event)
-    keys = b"".join(raw_keys)
-    extras = {k: getattr(req, k) for k in _EXTRAS if getattr(req, k) is not None}
-    raw_extras = json.dumps(extras, separators=(",", ":"), allow_nan=False).encode("utf-8") if extras else b""
-    end = RESTORE_REQUEST.size + len(event) + len(table) + len(keys) + len(raw_extras)
-    header_len = end + (-end % 8)
-    body_len = 8 * (n_slots + n_new)
-    if header_len > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header: {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
-    if body_len > max_body_bytes:
-        raise ProtocolError(f"body: {body_len} bytes exceeds the limit of {max_body_bytes}")
-    try:
-        fixed = RESTORE_REQUEST.pack(KIND_RESTORE, bits, n, req.request_id, req.reg_id, req.secret, timeout,
-                                     len(keys), len(raw_extras))
-    except struct.error as exc:
-        raise ProtocolError(f"restore: a field is out of range ({exc})") from exc
-    out = [b"".join((PREFIX.pack(MAGIC, VERSION, FLAG_BINARY, header_len, body_len), fixed, event, table, keys,
-                     raw_extras, _ZERO_PAD[:header_len - end]))]
-    if n_slots:
-        out.append(_byte_view(slots))
-    if n_new:
-        out.append(_byte_view(new))
-    return out
+    return restore_frame(items, req.request_id, req.reg_id, req.secret, (slots, new), wait=req.wait,
+                         timeout=req.timeout, timings=req.timings, wait_event=req.wait_event,
+                         model_fingerprint=req.model_fingerprint, inject=req.inject, max_body_bytes=max_body_bytes)
 
 
 def binary_request_id(raw) -> int | None:
@@ -525,11 +583,64 @@ def binary_request_id(raw) -> int | None:
     return rid if rid >= 0 else None
 
 
+#: (item count, the header's item table and keys) -> what :func:`_decode_items` made of them: a
+#: worker restores the same items over and over, and their parse depends on these bytes alone
+_ITEMS_SEEN: dict = {}
+_ITEMS_SEEN_MAX = 1024
+_ITEMS_SEEN_BLOB_MAX = 4096
+
+
+def _decode_items(raw, off: int, n: int, keys_len: int, body_len: int) -> tuple:
+    """``(keys, slot_counts, position_counts, n_slots, n_new)`` of the item table and keys at
+    ``raw[off:]``, checked (the body's length too, in the order :func:`decode_restore` documents)."""
+    blob = bytes(raw[off:off + 12 * n + keys_len])
+    seen = _ITEMS_SEEN.get((n, blob))
+    if seen is not None:
+        n_slots, n_new = seen[3], seen[4]
+        if body_len != 8 * (n_slots + n_new):
+            raise ProtocolError(f"body: {body_len} bytes, the items' {n_slots} slots and {n_new} new positions "
+                                f"need {8 * (n_slots + n_new)}")
+        return seen
+    table = struct.unpack_from(f"<{3 * n}i", blob)
+    key_lens, slot_counts, position_counts = table[0::3], table[1::3], table[2::3]
+    if min(key_lens) < 0 or max(key_lens) > MAX_KEY_BYTES:
+        i = next(i for i, k in enumerate(key_lens) if not 0 <= k <= MAX_KEY_BYTES)
+        raise ProtocolError(f"items[{i}]: key length {key_lens[i]} outside 0..{MAX_KEY_BYTES}")
+    if sum(key_lens) != keys_len:
+        raise ProtocolError(f"keys: the items' key lengths add up to {sum(key_lens)} bytes, the header says {keys_len}")
+    if min(slot_counts) < 0:
+        raise ProtocolError(f"items[{next(i for i, c in enumerate(slot_counts) if c < 0)}].slots: negative count")
+    if min(position_counts) < -1:
+        raise ProtocolError(f"items[{next(i for i, c in enumerate(position_counts) if c < -1)}].new_positions: "
+                            "count below -1")
+    n_slots = sum(slot_counts)
+    n_new = sum(c for c in position_counts if c > 0)
+    if body_len != 8 * (n_slots + n_new):
+        raise ProtocolError(f"body: {body_len} bytes, the items' {n_slots} slots and {n_new} new positions "
+                            f"need {8 * (n_slots + n_new)}")
+    keys, start = [], 12 * n
+    try:
+        for length in key_lens:
+            keys.append(blob[start:start + length].decode("utf-8"))
+            start += length
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"items[{len(keys)}].key: not valid UTF-8 ({exc})") from exc
+    seen = (tuple(keys), slot_counts,
+            position_counts if min(position_counts) >= 0 else tuple(None if c < 0 else c for c in position_counts),
+            n_slots, n_new)
+    if len(blob) <= _ITEMS_SEEN_BLOB_MAX:
+        if len(_ITEMS_SEEN) >= _ITEMS_SEEN_MAX:
+            _ITEMS_SEEN.clear()
+        _ITEMS_SEEN[(n, blob)] = seen
+    return seen
+
+
 def decode_restore(raw, body) -> RestoreRequest:
     """Parse and check a binary restore request (``raw``: its header, ``body``: its body, as split
     by :func:`read_frame`). Every length, count and bit is checked; raises :class:`ProtocolError`
-    naming the first field that is wrong. What the values mean (registration, keys, slot ranges) is
-    the service's to check."""
+    naming the first field that is wrong (fixed part, header length and padding, item table, body
+    length, keys, extras). What the values mean (registration, keys, slot ranges) is the service's
+    to check."""
     if len(raw) < RESTORE_REQUEST.size:
         raise ProtocolError(f"binary frame: a {len(raw)}-byte header, a restore request's fixed part alone "
                             f"has {RESTORE_REQUEST.size}")
@@ -559,59 +670,34 @@ def decode_restore(raw, body) -> RestoreRequest:
     if len(raw) != header_len:
         raise ProtocolError(f"restore: a {len(raw)}-byte header, its {n} items, {keys_len} bytes of keys and "
                             f"{extras_len} of extras need {header_len}")
-    if any(raw[end:header_len]):
+    if end != header_len and any(raw[end:header_len]):
         raise ProtocolError("restore: non-zero padding")
-    table = struct.unpack_from(f"<{3 * n}i", raw, off)
-    key_lens, slot_counts, position_counts = table[0::3], table[1::3], table[2::3]
-    if min(key_lens) < 0 or max(key_lens) > MAX_KEY_BYTES:
-        i = next(i for i, k in enumerate(key_lens) if not 0 <= k <= MAX_KEY_BYTES)
-        raise ProtocolError(f"items[{i}]: key length {key_lens[i]} outside 0..{MAX_KEY_BYTES}")
-    if sum(key_lens) != keys_len:
-        raise ProtocolError(f"keys: the items' key lengths add up to {sum(key_lens)} bytes, the header says {keys_len}")
-    if min(slot_counts) < 0:
-        raise ProtocolError(f"items[{next(i for i, c in enumerate(slot_counts) if c < 0)}].slots: negative count")
-    if min(position_counts) < -1:
-        raise ProtocolError(f"items[{next(i for i, c in enumerate(position_counts) if c < -1)}].new_positions: "
-                            "count below -1")
-    n_slots = sum(slot_counts)
-    n_new = sum(c for c in position_counts if c > 0)
-    if len(body) != 8 * (n_slots + n_new):
-        raise ProtocolError(f"body: {len(body)} bytes, the items' {n_slots} slots and {n_new} new positions "
-                            f"need {8 * (n_slots + n_new)}")
-    off += 12 * n
-    blob = bytes(raw[off:off + keys_len])
-    keys, start = [], 0
-    try:
-        for length in key_lens:
-            keys.append(blob[start:start + length].decode("utf-8"))
-            start += length
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"items[{len(keys)}].key: not valid UTF-8 ({exc})") from exc
-    extras = {}
+    keys, slot_counts, position_counts, n_slots, n_new = _decode_items(raw, off, n, keys_len, len(body))
+    model_fingerprint = inject = None
     if extras_len:
-        extras = decode_header(raw[off + keys_len:end])
+        at = off + 12 * n + keys_len
+        extras = decode_header(raw[at:end])
         for k, v in extras.items():
             if k not in _EXTRAS:
                 raise ProtocolError(f"restore extras: unknown field {k!r}")
             if v is not None and not isinstance(v, dict):
                 raise ProtocolError(f"{k}: expected an object, got {type(v).__name__}")
+        model_fingerprint, inject = extras.get("model_fingerprint"), extras.get("inject")
+    values = np.frombuffer(body, dtype="<i8")
     return RestoreRequest(
-        rid, reg, secret, tuple(keys), slot_counts,
-        position_counts if min(position_counts) >= 0 else tuple(None if c < 0 else c for c in position_counts),
-        np.frombuffer(body, dtype="<i8", count=n_slots),
-        np.frombuffer(body, dtype="<i8", count=n_new, offset=8 * n_slots),
-        wait=bool(bits & BIT_WAIT), timeout=timeout if bits & BIT_TIMEOUT else None,
-        timings=bool(bits & BIT_TIMINGS), wait_event=event,
-        model_fingerprint=extras.get("model_fingerprint"), inject=extras.get("inject"))
+        rid, reg, secret, keys, slot_counts, position_counts, values[:n_slots], values[n_slots:],
+        bits & BIT_WAIT != 0, timeout if bits & BIT_TIMEOUT else None, bits & BIT_TIMINGS != 0, event,
+        model_fingerprint, inject)
 
 
 def encode_restore_reply(request_id: int, op_id: int, state: str, stamps: dict | None = None) -> bytes:
     """The binary frame answering a successful restore (``stamps``: :data:`RESTORE_STAGES` by name)."""
-    head = RESTORE_REPLY.pack(KIND_RESTORE, 0 if stamps is None else BIT_TIMINGS, OP_STATES.index(state),
-                              request_id, op_id)
-    if stamps is not None:
-        head += _STAMPS.pack(*[stamps.get(k, -1) for k in RESTORE_STAGES])
-    return PREFIX.pack(MAGIC, VERSION, FLAG_BINARY, len(head), 0) + head
+    if stamps is None:
+        return _REPLY_HEAD.pack(MAGIC, VERSION, FLAG_BINARY, RESTORE_REPLY.size, 0, KIND_RESTORE, 0,
+                                _STATE_INDEX[state], request_id, op_id)
+    return _REPLY_HEAD_STAMPS.pack(MAGIC, VERSION, FLAG_BINARY, RESTORE_REPLY.size + _STAMPS.size, 0, KIND_RESTORE,
+                                   BIT_TIMINGS, _STATE_INDEX[state], request_id, op_id,
+                                   *[stamps.get(k, -1) for k in RESTORE_STAGES])
 
 
 def decode_restore_reply(raw, body) -> RestoreReply:

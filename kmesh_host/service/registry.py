@@ -86,9 +86,16 @@ class Registration:
     #: int64[num_blocks]: the id of the operation holding each block, 0 when free (under the
     #: registry's lock); an array, so that a request's blocks are checked and reserved at once
     holders: np.ndarray = field(init=False, repr=False)
+    #: the layout's slot count and block size, looked up once (every request is checked against them)
+    num_slots: int = field(init=False, repr=False)
+    block_size: int = field(init=False, repr=False)
+    #: the service's memo of what it derived from this registration's requests (never authority:
+    #: every entry is re-validated against what it was derived from before it is used)
+    memo: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         self.holders = np.zeros(self.layout.num_blocks, dtype=np.int64)
+        self.num_slots, self.block_size = int(self.layout.num_slots), int(self.layout.block_size)
 
     @property
     def reg_id(self) -> int:
@@ -106,6 +113,12 @@ class Registration:
                 "held_blocks": np.flatnonzero(self.holders).tolist(), "pending_ops": sorted(self.ops)}
 
 
+def _closed_gate() -> threading.Lock:
+    gate = threading.Lock()
+    gate.acquire()
+    return gate
+
+
 @dataclass(eq=False)
 class Op:
     op_id: int
@@ -120,7 +133,19 @@ class Op:
     error: str | None = None
     on_drained: Callable[["Op"], None] | None = None
     keepalive: list = field(default_factory=list)
-    submitted: threading.Event = field(default_factory=threading.Event)
+    #: held from creation until :meth:`Registry.submitted` opens it (a lock: far cheaper to make
+    #: than an Event, and an operation is created for every request)
+    gate: threading.Lock = field(default_factory=_closed_gate, repr=False)
+
+    def wait_submitted(self, timeout: float | None) -> bool:
+        """Block until the operation has been submitted (``timeout`` seconds at most; ``None``: no
+        limit). ``True`` once it has."""
+        if self.state != OP_SUBMITTING:
+            return True
+        if not self.gate.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            return False
+        self.gate.release()
+        return True
 
     def describe(self) -> dict:
         return {"op": self.op_id, "reg": self.reg.reg_id, "kind": self.kind, "state": self.state,
@@ -239,31 +264,34 @@ class Registry:
     def block_ids_of_slots(reg: Registration, slots, *, name: str = "slots") -> np.ndarray:
         """Blocks addressed by ``slots`` (a list, int64 array or CPU tensor), sorted and unique,
         after bounds and duplicate checks (``-1`` is skipped). Vectorised: a request carries
-        hundreds of slots."""
-        n_slots, block_size = reg.layout.num_slots, reg.layout.block_size
-        s = np.asarray(slots)  # a CPU tensor is viewed, not copied
+        hundreds of slots; one sort serves the bounds, the duplicates and the blocks."""
+        n_slots, block_size = reg.num_slots, reg.block_size
+        s = slots if type(slots) is np.ndarray else np.asarray(slots)  # a CPU tensor is viewed, not copied
         if s.ndim != 1 or (s.size and s.dtype.kind not in "iu"):
             raise LayoutError(f"{name}: expected integers [N], got {s.dtype}{list(s.shape)}")
         if not s.size:
             return np.empty(0, dtype=np.int64)
         ordered = np.array(s, dtype=np.int64)  # a copy to sort in place
         ordered.sort()
-        if ordered[0] < -1 or ordered[-1] >= n_slots:
+        lo, hi = int(ordered[0]), int(ordered[-1])
+        if lo < -1 or hi >= n_slots:
             i = int(np.flatnonzero((s < -1) | (s >= n_slots))[0])
             raise LayoutError(f"{name}[{i}]: slot {int(s[i])} outside 0..{n_slots - 1} of registration {reg.reg_id}")
-        valid = ordered[ordered.searchsorted(0):]  # -1 skips a token
+        valid = ordered[int(ordered.searchsorted(0)):] if lo < 0 else ordered  # -1 skips a token
+        if valid.size < 2:
+            return valid // block_size
         same = valid[1:] == valid[:-1]
         if np.count_nonzero(same):
             value = int(valid[int(same.argmax())])
             i = int(np.flatnonzero(s == value)[1])
             raise LayoutError(f"{name}[{i}]: slot {value} addressed twice in one request")
         blocks = valid // block_size
-        if blocks.size > 1:
-            first = np.empty(blocks.size, dtype=bool)
-            first[0] = True
-            np.not_equal(blocks[1:], blocks[:-1], out=first[1:])
-            blocks = blocks[first]
-        return blocks
+        if int(blocks[0]) == int(blocks[-1]):
+            return blocks[:1]
+        first = np.empty(blocks.size, dtype=bool)
+        first[0] = True
+        np.not_equal(blocks[1:], blocks[:-1], out=first[1:])
+        return blocks[first]
 
     @staticmethod
     def check_blocks(reg: Registration, blocks: list[int], *, name: str = "blocks") -> frozenset:
@@ -310,8 +338,9 @@ class Registry:
             op.error = error
             op.on_drained = on_drained
             op.keepalive.extend(keepalive)
-            op.state = OP_PENDING
-            op.submitted.set()
+            if op.state == OP_SUBMITTING:
+                op.state = OP_PENDING
+                op.gate.release()
         if completion is None:
             self._release(op)
 
@@ -357,7 +386,7 @@ class Registry:
     def _drain_one(self, op: Op, timeout: float | None) -> None:
         if op.state == OP_DRAINED:
             return
-        if not op.submitted.wait(timeout):
+        if not op.wait_submitted(timeout):
             with self._lock:
                 op.wait_failures += 1
             raise DrainError(f"operation {op.op_id}: still being submitted; its buffers stay held")
@@ -382,8 +411,11 @@ class Registry:
                 return
             op.state = OP_DRAINED
             reg = op.reg
-            mine = op.blocks[reg.holders[op.blocks] == op.op_id]
-            reg.holders[mine] = 0
+            held = reg.holders[op.blocks]
+            if np.count_nonzero(held != op.op_id):  # never, while begin() is the only one to reserve
+                reg.holders[op.blocks[held == op.op_id]] = 0
+            else:
+                reg.holders[op.blocks] = 0
             for key in op.sources:
                 n = self._source_holds.get(key, 0) - 1
                 if n > 0:

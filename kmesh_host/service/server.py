@@ -37,6 +37,7 @@ waits on its completion.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
@@ -44,6 +45,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,6 +156,72 @@ class RefusingCompletion(Completion):
 
 class InjectedFault(KmeshError):
     """A failure requested by a test through ``inject``."""
+
+
+_FINISHED = Finished()  # stateless: one for every synchronous (host memory) copy
+_NO_FAULTS: dict = {}  # never modified
+#: distinct item lists whose checks a registration remembers (see :func:`_item_plan`)
+_PLANS_KEPT = 64
+_place_module = None
+
+
+def _place():
+    """``kmesh_gpu.place``, imported on first use (a client importing this package never needs it)."""
+    global _place_module
+    if _place_module is None:
+        _place_module = importlib.import_module("kmesh_gpu.place")
+    return _place_module
+
+
+class _ItemPlan:
+    """What a restore's items need beyond their index arrays, derived from the registration and the
+    originals they name: the per-item checks passed, which items shift. Valid for exactly the
+    segment objects it was made for (originals are immutable; a key published again is another
+    object), which it refers to weakly (an evicted original is not kept alive by it), and for the
+    registration it is kept on (its layout and RoPE spec never change)."""
+
+    __slots__ = ("segs", "shifted", "plain", "new_counts", "num_positions")
+
+    def __init__(self, segs, position_counts, num_positions):
+        self.segs = [weakref.ref(seg) for seg in segs]
+        self.shifted = [i for i, c in enumerate(position_counts) if c is not None]
+        self.plain = [i for i, c in enumerate(position_counts) if c is None]
+        self.new_counts = [position_counts[i] for i in self.shifted]
+        self.num_positions = num_positions
+
+    def made_for(self, segs) -> bool:
+        return len(segs) == len(self.segs) and all([ref() is seg for ref, seg in zip(self.segs, segs)])
+
+
+def _item_plan(reg, req: protocol.RestoreRequest, segs) -> _ItemPlan:
+    """Check ``req``'s items against the originals ``segs`` and the registration ``reg`` (shapes,
+    dtype, slot and position counts, RoPE); the result is remembered on ``reg`` and reused while
+    the same items name the very same segment objects, whose checks would pass again."""
+    signature = (req.keys, req.slot_counts, req.position_counts)
+    memo = reg.memo
+    plan = memo.get(signature)
+    if plan is not None and plan.made_for(segs):
+        return plan
+    rope, layout = reg.extra["rope"], reg.layout
+    L, _, H, _, D = layout.sizes
+    for i, (key, count, shift, seg) in enumerate(zip(req.keys, req.slot_counts, req.position_counts, segs)):
+        shape, dtype = seg.signature
+        T = shape[2]
+        if shape != (2, L, T, H, D) or dtype != layout.dtype:
+            raise LayoutError(f"items[{i}]: original {key!r} is {shape} {dtype}, the "
+                              f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
+        if count != T:
+            raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {count}")
+        if shift is not None:
+            if rope is None:
+                raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
+            if shift != T:
+                raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {shift}")
+    plan = _ItemPlan(segs, req.position_counts, reg.extra.get("num_positions"))
+    if len(memo) >= _PLANS_KEPT:
+        memo.clear()
+    memo[signature] = plan
+    return plan
 
 
 # ---------------------------------------------------------------------------------- the service
@@ -442,12 +510,11 @@ class _Service:
         Whatever ``enqueue`` managed to queue is covered by the completion recorded afterwards, also
         when it raised part-way: a failed request is still drained, never resubmitted.
         """
-        device = self._device_of(reg)
         keepalive: list = []
         error: BaseException | None = None
         completion: Completion
-        if device.type == "cuda":
-            stream = reg.extra["stream"]
+        if reg.extra["on_cuda"]:
+            device, stream = self._device_of(reg), reg.extra["stream"]
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 try:
                     if client_event is not None:
@@ -474,7 +541,7 @@ class _Service:
                     raise InjectedFault("injected failure after the copy was submitted")
             except BaseException as exc:
                 error = exc
-            completion = Finished()
+            completion = _FINISHED
         if inject.get("refuse_waits"):
             completion = RefusingCompletion(completion, int(inject["refuse_waits"]))
         self.registry.submitted(op, completion, outcome="failed" if error else "ok",
@@ -561,7 +628,8 @@ class _Service:
         mapping = open_handle(handle, self.device_mappings)
         try:
             cache = mapping.cache(layout)
-            extra = {"cache": cache, "rope": rope, "on_cuda": cache.device.type == "cuda"}
+            extra = {"cache": cache, "rope": rope, "on_cuda": cache.device.type == "cuda",
+                     "num_positions": None if rope is None else int(rope.num_positions)}
             if cache.device.type == "cuda":
                 extra["stream"] = torch.cuda.Stream(device=cache.device)
             reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
@@ -583,46 +651,31 @@ class _Service:
 
     def restore(self, req: protocol.RestoreRequest, peer, conn_id, stamps=None):
         """A decoded restore request: checks, reserves, submits and (``req.wait``) drains; returns the Op."""
-        from kmesh_gpu.place import prepare_place_many
-
         reg = self.registry.authorize(req.reg_id, req.secret, peer)
-        inject = self._inject(req.inject)
-        rope, layout = reg.extra["rope"], reg.layout
-        L, _, H, _, D = layout.sizes
+        inject = self._inject(req.inject) if req.inject else _NO_FAULTS
         segs = self.sources.get_many(req.keys, model_fingerprint=req.model_fingerprint)
-        for i, (key, count, shift, seg) in enumerate(zip(req.keys, req.slot_counts, req.position_counts, segs)):
-            shape, dtype = seg.signature
-            T = shape[2]
-            if shape != (2, L, T, H, D) or dtype != layout.dtype:
-                raise LayoutError(f"items[{i}]: original {key!r} is {shape} {dtype}, the "
-                                  f"registration holds (2, {L}, T, {H}, {D}) {layout.dtype}")
-            if count != T:
-                raise LayoutError(f"items[{i}].slots: expected {T} slots (the original's tokens), got {count}")
-            if shift is not None:
-                if rope is None:
-                    raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
-                if shift != T:
-                    raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {shift}")
+        plan = _item_plan(reg, req, segs)
         pos = req.new_positions
         # one reduction: viewed as unsigned, a negative position is larger than any valid one
-        if pos.size and pos.view(np.uint64).max() >= rope.num_positions:
-            j = int(np.flatnonzero((pos < 0) | (pos >= rope.num_positions))[0])
+        if pos.size and int(np.maximum.reduce(pos.view(np.uint64))) >= plan.num_positions:
+            j = int(np.flatnonzero((pos < 0) | (pos >= plan.num_positions))[0])
             ends = np.cumsum([c or 0 for c in req.position_counts])
             i = int(np.searchsorted(ends, j, side="right"))
-            raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {rope.num_positions})")
+            raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {plan.num_positions})")
         # The security boundary: every slot in [-1, num_slots) of this registration and none twice.
         # place_many is told so (``_slots_checked``) instead of checking the same values again.
         blocks = self.registry.block_ids_of_slots(reg, req.slots, name="items[*].slots")
-        client_event = self._client_event(req.wait_event, reg, conn_id)
+        client_event = self._client_event(req.wait_event, reg, conn_id) if req.wait_event is not None else None
         op = self.registry.begin(reg, "restore", blocks, req.keys)
         if stamps is not None:
             stamps["validated"] = time.monotonic_ns()
-        cache = reg.extra["cache"]
-        backend = self.config.backend
+        extra = reg.extra
+        cache, layout, rope, backend = extra["cache"], reg.layout, extra["rope"], self.config.backend
 
         def enqueue(keepalive):
-            if reg.extra["on_cuda"]:
-                device, stream = cache.device, reg.extra["stream"]
+            prepare_place_many = _place().prepare_place_many
+            if extra["on_cuda"]:
+                device, stream = cache.device, extra["stream"]
                 kvs = []
                 for seg, copy in zip(segs, self.device_originals.get_many(req.keys, segs, device)):
                     if copy is None:  # over the device budget: upload for this request only
@@ -637,20 +690,22 @@ class _Service:
                 kvs = [seg.kv for seg in segs]
             # views of the request's arrays, one per item (the frame's buffer is the op's own)
             slot_ts = torch.from_numpy(req.slots).split_with_sizes(req.slot_counts)
-            shifted = [i for i, c in enumerate(req.position_counts) if c is not None]
             if stamps is not None:
                 stamps["resolved"] = time.monotonic_ns()
             launches = []
-            if shifted:
-                new_ts = torch.from_numpy(pos).split_with_sizes([req.position_counts[i] for i in shifted])
+            if plan.shifted:
+                new_ts = list(torch.from_numpy(pos).split_with_sizes(plan.new_counts))
+                if plan.plain:
+                    kv_s, slot_s = [kvs[i] for i in plan.shifted], [slot_ts[i] for i in plan.shifted]
+                else:
+                    kv_s, slot_s = kvs, list(slot_ts)
                 launches.append(prepare_place_many(
-                    [kvs[i] for i in shifted], cache, layout, [slot_ts[i] for i in shifted], rope=rope,
-                    old_positions=[segs[i].positions for i in shifted], new_positions=list(new_ts), backend=backend,
-                    _slots_checked=True))
-            if len(shifted) < len(segs):
-                plain = [i for i, c in enumerate(req.position_counts) if c is None]
-                launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [slot_ts[i] for i in plain],
-                                                   backend=backend, _slots_checked=True))
+                    kv_s, cache, layout, slot_s, rope=rope, old_positions=[segs[i].positions for i in plan.shifted],
+                    new_positions=new_ts, backend=backend, _slots_checked=True))
+            if plan.plain:
+                launches.append(prepare_place_many([kvs[i] for i in plan.plain], cache, layout,
+                                                   [slot_ts[i] for i in plan.plain], backend=backend,
+                                                   _slots_checked=True))
             if stamps is not None:
                 stamps["prepared"] = time.monotonic_ns()
             for launch in launches:

@@ -1,0 +1,277 @@
+"""The restore hot path's shortcuts give the same frames, results and errors as the general path:
+per-item arrays on the wire, remembered item tables (client and service), remembered item checks
+on a registration, the operation's submission gate, and the vectorised slot check."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kmesh_gpu import KVLayout, place_many
+from kmesh_gpu.errors import DrainError, LayoutError, ProtocolError
+from kmesh_host.service import CacheClient, RestoreItem, SharedCache, protocol
+from kmesh_host.service.client import _int64
+from kmesh_host.service.registry import Finished, PeerIdentity, Registry
+from tests.helpers.service import running_service, small_layout, small_rope
+
+SECRET = bytes(range(32))
+EVENT = bytes(range(100, 164))
+
+
+def _joined(parts) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def _split(frame: bytes):
+    _, _, flags, header_len, body_len = protocol.PREFIX.unpack_from(frame)
+    p = protocol.PREFIX.size
+    buf = bytearray(frame[p:])
+    view = memoryview(buf)
+    return view[:header_len], view[header_len:]
+
+
+# ---------------------------------------------------------------------------------- wire
+ITEMS = [("a", [0, 1], [10, 11]), ("bé", [4, 5, -1], None), ("c", [9], [40])]
+
+
+@pytest.mark.parametrize("extra", [{}, {"wait": False, "timeout": 2.5, "timings": True}, {"wait_event": EVENT},
+                                   {"model_fingerprint": {"m": 1}, "inject": {"spin_cycles": 3}}],
+                         ids=["plain", "flags", "event", "extras"])
+def test_per_item_arrays_give_the_same_frame_as_joined_ones(extra):
+    keys = tuple(k for k, _, _ in ITEMS)
+    slot_counts = tuple(len(s) for _, s, _ in ITEMS)
+    position_counts = tuple(None if p is None else len(p) for _, _, p in ITEMS)
+    slots = [np.array(s, dtype=np.int64) for _, s, _ in ITEMS]
+    new = [np.array(p, dtype=np.int64) for _, _, p in ITEMS if p is not None]
+    req = protocol.RestoreRequest(7, 3, SECRET, keys, slot_counts, position_counts, np.concatenate(slots),
+                                  np.concatenate(new), **extra)
+    general = _joined(protocol.encode_restore(req))
+    items = protocol.restore_items(keys, slot_counts, position_counts)
+    fast = protocol.restore_frame(items, 7, 3, SECRET, slots + new, **extra)
+    assert _joined(fast) == general
+    assert all(isinstance(p, np.ndarray) for p in fast[1:])  # the arrays are sent as they are, not copied
+    got = protocol.decode_restore(*_split(general))
+    assert got.keys == keys and got.position_counts == position_counts
+    assert np.array_equal(got.slots, req.slots) and np.array_equal(got.new_positions, req.new_positions)
+
+
+def test_frame_refuses_arrays_that_do_not_match_the_items():
+    items = protocol.restore_items(("a",), (2,), (2,))
+    with pytest.raises(ProtocolError, match="arrays"):
+        protocol.restore_frame(items, 1, 1, SECRET, [np.zeros(2, dtype=np.int64)])
+    with pytest.raises(ProtocolError, match="secret"):
+        protocol.restore_frame(items, 1, 1, b"short", [np.zeros(4, dtype=np.int64)])
+
+
+def test_many_items_are_joined_into_few_buffers():
+    n = 3 * protocol._MAX_PARTS
+    keys = tuple(f"k{i}" for i in range(n))
+    arrays = [np.array([2 * i, 2 * i + 1], dtype=np.int64) for i in range(n)]
+    items = protocol.restore_items(keys, (2,) * n, (None,) * n)
+    parts = protocol.restore_frame(items, 1, 1, SECRET, arrays)
+    assert len(parts) == 2
+    got = protocol.decode_restore(*_split(_joined(parts)))
+    assert np.array_equal(got.slots, np.arange(2 * n))
+    a, b = socket.socketpair()
+    with a, b:  # and they go out in one sendmsg
+        protocol.send_parts(a, parts)
+        b.settimeout(5)
+        flags, buf, body = protocol.read_frame(b)
+        assert flags == protocol.FLAG_BINARY and bytes(body) == np.arange(2 * n).tobytes()
+
+
+def test_remembered_item_tables_decode_like_new_ones():
+    req = protocol.RestoreRequest(7, 3, SECRET, ("x", "y"), (2, 1), (None, 1), np.array([0, 1, 2]), np.array([5]))
+    frame = _joined(protocol.encode_restore(req))
+    first, second = (protocol.decode_restore(*_split(frame)) for _ in range(2))
+    for got in (first, second):
+        assert (got.keys, got.slot_counts, got.position_counts) == (("x", "y"), (2, 1), (None, 1))
+        assert got.slots.tolist() == [0, 1, 2] and got.new_positions.tolist() == [5]
+        assert got.slots.flags.writeable
+    header, body = _split(frame)
+    # the same item table with a body that does not fit it: still refused, with the same message
+    with pytest.raises(ProtocolError, match="body: 16 bytes"):
+        protocol.decode_restore(header, body[:-16])
+    # a table that failed never counts as seen
+    bad = bytearray(header)
+    bad[protocol.RESTORE_REQUEST.size + 24] = 0xFF  # first key byte: not UTF-8
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match="UTF-8"):
+            protocol.decode_restore(memoryview(bad), body)
+
+
+# ---------------------------------------------------------------------------------- client inputs
+@pytest.mark.parametrize("values", [
+    [3, 4, 5], (3, 4, 5), np.array([3, 4, 5]), np.array([3, 4, 5], dtype=np.int32), torch.tensor([3, 4, 5]),
+    torch.tensor([3, 9, 4, 9, 5])[::2], np.array([3, 9, 4, 9, 5])[::2], np.array([3, 4, 5], dtype=">i8"),
+], ids=["list", "tuple", "int64", "int32", "tensor", "strided-tensor", "strided-array", "big-endian"])
+def test_client_index_inputs_give_the_same_bytes(values):
+    a = _int64("slots", values)
+    assert a.dtype == np.dtype("<i8") and a.flags.c_contiguous and a.tobytes() == np.array([3, 4, 5]).tobytes()
+
+
+@pytest.mark.parametrize("values, match", [
+    (torch.tensor([1, 2], dtype=torch.int32), "int64"), (torch.zeros(2, 2, dtype=torch.int64), "int64"),
+    ([[0, 1]], "flat"), (["x"], "integers"), (5, "flat"),
+], ids=["tensor-int32", "tensor-2d", "nested", "strings", "scalar"])
+def test_client_index_input_errors(values, match):
+    with pytest.raises(LayoutError, match=match):
+        _int64("slots", values)
+
+
+# ---------------------------------------------------------------------------------- registry
+@pytest.fixture
+def registry_and_reg():
+    layout = KVLayout.from_vllm("NHD", num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_size=4,
+                                dtype=torch.float32)
+    registry = Registry(lambda reg: None)
+    reg = registry.register(PeerIdentity(1, 1, 1), instance=0, handle_key=b"h", layout=layout, memory=None)
+    return registry, reg
+
+
+def _reference_blocks(slots, num_slots, block_size):
+    s = np.asarray(slots, dtype=np.int64)
+    if ((s < -1) | (s >= num_slots)).any():
+        return "range"
+    valid = s[s >= 0]
+    if np.unique(valid).size != valid.size:
+        return "twice"
+    return np.unique(valid // block_size).tolist()
+
+
+def test_slot_check_matches_a_plain_reference(registry_and_reg):
+    registry, reg = registry_and_reg
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        n = int(rng.integers(0, 24))
+        slots = rng.integers(-3 if trial % 4 == 0 else -1, reg.num_slots + (2 if trial % 5 == 0 else 0), n)
+        if trial % 3 == 0:  # mostly distinct
+            slots = rng.permutation(reg.num_slots)[:n] - (rng.random(n) < 0.2)
+        want = _reference_blocks(slots, reg.num_slots, reg.block_size)
+        if isinstance(want, str):
+            with pytest.raises(LayoutError, match="outside" if want == "range" else "twice"):
+                registry.block_ids_of_slots(reg, slots)
+        else:
+            got = registry.block_ids_of_slots(reg, slots)
+            assert got.dtype == np.int64 and got.tolist() == want, slots
+
+
+def test_submission_gate(registry_and_reg):
+    registry, reg = registry_and_reg
+    op = registry.begin(reg, "restore", np.array([1, 2], dtype=np.int64), ["k"])
+    assert op.wait_submitted(0) is False
+    with pytest.raises(DrainError, match="being submitted"):
+        registry.drain([op], timeout=0)
+    waiter = threading.Thread(target=registry.drain, args=([op], None))
+    waiter.start()  # blocks until the submission is recorded
+    registry.submitted(op, Finished(), outcome="ok")
+    waiter.join(10)
+    assert not waiter.is_alive() and op.state == "drained" and reg.held_blocks == {}
+    assert op.wait_submitted(0) is True
+    registry.drain([op], timeout=0)  # again: nothing left to do
+    assert not registry.source_held("k")
+
+
+# ---------------------------------------------------------------------------------- live service
+@pytest.fixture(scope="module")
+def service():
+    with running_service(reap_interval_s=0.02, receive_spin_s=2e-3) as svc:
+        yield svc
+
+
+def _reference(layout, rope, kvs, plan, fill=0x5A):
+    ref = layout.allocate(fill=fill)
+    for kv, (slots, new) in zip(kvs, plan):
+        if new is None:
+            place_many([kv], ref, layout, [torch.tensor(slots)])
+        else:
+            place_many([kv], ref, layout, [torch.tensor(slots)], rope=rope, old_positions=[torch.arange(4)],
+                       new_positions=[torch.tensor(new)])
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["lists", "tuples", "tensors", "arrays", "strided"])
+def test_every_input_kind_restores_the_same_bits(service, kind, request):
+    layout, rope = small_layout(), small_rope()
+    g = torch.Generator().manual_seed(11)
+    kvs = [torch.randn(2, 2, 4, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+    plan = [([0, 1, 2, 3], [9, 10, 11, 12]), ([8, -1, 10, 11], None)]
+
+    def conv(v):
+        if v is None or kind in ("lists", "tuples"):
+            return v
+        if kind == "tensors":
+            return torch.tensor(v)
+        if kind == "arrays":
+            return np.array(v, dtype=np.int32)
+        return torch.tensor([x for x in v for _ in (0, 1)])[::2]  # a strided view
+
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    items = [(k, conv(s), conv(p)) if p is not None or kind != "tuples" else (k, s) for k, (s, p) in zip(keys, plan)]
+    if kind != "tuples":
+        items = [RestoreItem(*it) for it in items]
+    with SharedCache(layout, fill=0x5A) as cache, CacheClient(service.socket_path, timeout=60) as client:
+        for k, kv in zip(keys, kvs):
+            client.put(k, kv, torch.arange(4))
+        reg = client.register(cache, layout, rope=rope)
+        for _ in range(2):  # the second request reuses what the first one's items were checked and encoded as
+            client.restore(reg, items)
+        assert torch.equal(cache.tensor.view(torch.uint8), _reference(layout, rope, kvs, plan).view(torch.uint8))
+        assert client.close_registration(reg) is True
+
+
+def test_remembered_item_checks_follow_a_republished_original(service, request):
+    layout = small_layout()
+    key = request.node.name
+    g = torch.Generator().manual_seed(2)
+    first = torch.randn(2, 2, 4, 2, 8, generator=g).to(torch.bfloat16)
+    second = torch.randn(2, 2, 4, 2, 8, generator=g).to(torch.bfloat16)
+    with SharedCache(layout, fill=0x5A) as cache, CacheClient(service.socket_path, timeout=60) as client:
+        reg = client.register(cache, layout)
+        client.put(key, first, torch.arange(4))
+        items = [RestoreItem(key, [4, 5, 6, 7])]
+        client.restore(reg, items)
+        assert torch.equal(cache.tensor.view(torch.uint8), _reference(layout, None, [first], [([4, 5, 6, 7], None)])
+                           .view(torch.uint8))
+        # the same key, published again with another shape: the same items are checked again and refused
+        assert client.evict(key) is True
+        client.put(key, torch.zeros(2, 2, 3, 2, 8, dtype=torch.bfloat16), torch.arange(3))
+        before = cache.tensor.view(torch.uint8).clone()
+        with pytest.raises(LayoutError, match="expected 3 slots"):
+            client.restore(reg, items)
+        assert torch.equal(cache.tensor.view(torch.uint8), before)  # nothing written
+        # and once more with the first shape but other values: restored from the new original
+        assert client.evict(key) is True
+        client.put(key, second, torch.arange(4))
+        client.restore(reg, items)
+        assert torch.equal(cache.tensor.view(torch.uint8), _reference(layout, None, [second], [([4, 5, 6, 7], None)])
+                           .view(torch.uint8))
+        assert client.close_registration(reg) is True
+
+
+def test_remembered_item_checks_do_not_keep_originals_alive(registry_and_reg):
+    import gc
+    import weakref
+
+    from kmesh_host.service.server import _item_plan
+    from kmesh_host.service.sources import SourceSegment
+
+    _, reg = registry_and_reg
+    reg.extra.update(rope=None, num_positions=None)
+    seg = SourceSegment(torch.zeros(2, 1, 3, 1, 4), torch.arange(3))
+    req = protocol.RestoreRequest(1, reg.reg_id, SECRET, ("k",), (3,), (None,), np.arange(3), np.zeros(0, np.int64))
+    plan = _item_plan(reg, req, [seg])
+    assert _item_plan(reg, req, [seg]) is plan  # remembered for the same original
+    other = SourceSegment(torch.zeros(2, 1, 3, 1, 4), torch.arange(3))
+    assert _item_plan(reg, req, [other]) is not plan  # another object under the same key: checked again
+    gone = weakref.ref(seg)
+    del seg
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(LayoutError, match="expected 3 slots"):
+        _item_plan(reg, protocol.RestoreRequest(1, reg.reg_id, SECRET, ("k",), (2,), (None,), np.arange(2),
+                                                np.zeros(0, np.int64)), [other])
