@@ -572,53 +572,76 @@ _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: 
 
 
 def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -> None:
-    import cupy
-
-    from ._jit import cupy_stream, get_kernel
-
     dev_id = device.index if device.index is not None else torch.cuda.current_device()
     ctype = _CUDA_TYPES[layout.storage_dtype]
     if tables.get("runs") is not None:
         _cupy_runs(tables, layout, device, dev_id, ctype, gather=gather, rope=rope)
         return
-    vec = tables["vec4"]
-    names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
-        tuple(f"kmesh_place_vec<{t}, {_VEC_PER}, {_VEC_LPT}>" for t in _CUDA_TYPES.values())
-    kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}, {_VEC_LPT}>" if vec else f"kmesh_place<{ctype}>"
-    kernel = get_kernel("place.cu", kname, device_id=dev_id, name_expressions=names)
-    L, _, H, N, D = layout.sizes
     total = tables["total"]
     if total == 0:
         return
+    vec = tables["vec4"]
+    kname = f"kmesh_place_vec<{ctype}, {_VEC_PER}, {_VEC_LPT}>" if vec else f"kmesh_place<{ctype}>"
+    fn, getdev, device_ctx = _token_function(dev_id, kname)
+    L, _, H, N, D = layout.sizes
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-
-    def p(t):
-        return t.data_ptr()
-
-    stream = cupy_stream(torch.cuda.current_stream(device).cuda_stream, dev_id)
-    common = (cupy.int32(int(gather)), cupy.int32(int(rope is not None)), cupy.int32(neox), cupy.int32(rd))
-    tail = (p(tables["cos_sin"]), p(tables["fp8_table"]), p(tables["k_scale"]))
-    with cupy.cuda.Device(dev_id), stream:
-        if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.x = (K|V, layer)
-            chunks = H * D // 8
-            lanes = min(-(-chunks // _VEC_PER), 256)
-            rows_per_block = max(1, 256 // lanes)
-            grid = (2 * (-(-L // _VEC_LPT)), min(-(-total // rows_per_block), 65535))
-            kernel(grid, (lanes, rows_per_block), (
-                p(tables["tok"]), p(tables["layer_base"]), cupy.int64(L), cupy.int64(H), cupy.int64(D),
-                cupy.int64(total), cupy.int64(layout.k_strides[2]), cupy.int64(layout.v_strides[2])) + common + tail)
-            return
+    stream = _cupy_current_stream(dev_id)
+    i32, i64 = np.int32, np.int64
+    common = (i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd))
+    tail = (tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
+    if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.x = (K|V, layer)
+        lanes = min(-(-(H * D // 8) // _VEC_PER), 256)
+        rows_per_block = max(1, 256 // lanes)
+        grid = (2 * (-(-L // _VEC_LPT)), min(-(-total // rows_per_block), 65535))
+        args = (tables["tok"].data_ptr(), tables["layer_base"].data_ptr(), i64(L), i64(H), i64(D), i64(total),
+                i64(layout.k_strides[2]), i64(layout.v_strides[2])) + common + tail
+    else:
         lanes = 32  # one lane per element pair (or 16-byte vector), a warp at least
         while lanes < 128 and lanes < H * (D // 2):
             lanes *= 2
         rows_per_block = max(1, 256 // lanes)
         grid = (min(-(-(2 * L * total) // rows_per_block), 132 * 16),)
-        kernel(grid, (lanes, rows_per_block), (
-            p(tables["kv_ptrs"]), p(tables["item_tok_start"]), p(tables["tok_item"]), p(tables["slots"]),
-            p(tables["old_pos"]), p(tables["new_pos"]), p(tables["layer_base"]), p(tables["item_cache"]),
-            p(tables["k_st"]), p(tables["v_st"]), cupy.int64(L), cupy.int64(H), cupy.int64(D), cupy.int64(N),
-            cupy.int64(total)) + common + (cupy.int32(int(tables["vec16"])),) + tail)
+        args = tuple(tables[k].data_ptr() for k in ("kv_ptrs", "item_tok_start", "tok_item", "slots", "old_pos",
+                                                    "new_pos", "layer_base", "item_cache", "k_st", "v_st")) \
+            + (i64(L), i64(H), i64(D), i64(N), i64(total)) + common + (i32(int(tables["vec16"])),) + tail
+    if getdev() == dev_id:
+        fn(grid, (lanes, rows_per_block), args, stream=stream)
+    else:
+        with device_ctx(dev_id):
+            fn(grid, (lanes, rows_per_block), args, stream=stream)
+
+
+_TOKEN_FNS: dict = {}  # (device, kernel name) -> (CUDA function, cupy getDevice, cupy Device)
+
+
+def _token_function(dev_id: int, kname: str) -> tuple:
+    """A per-token kernel (kmesh_place / kmesh_place_vec) as a CuPy Function, looked up once."""
+    found = _TOKEN_FNS.get((dev_id, kname))
+    if found is None:
+        import cupy
+
+        from ._jit import get_kernel
+
+        names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
+            tuple(f"kmesh_place_vec<{t}, {_VEC_PER}, {_VEC_LPT}>" for t in _CUDA_TYPES.values())
+        kernel = get_kernel("place.cu", kname, device_id=dev_id, name_expressions=names)
+        with cupy.cuda.Device(dev_id):
+            fn = getattr(kernel, "kernel", kernel)
+        found = _TOKEN_FNS[(dev_id, kname)] = (fn, cupy.cuda.runtime.getDevice, cupy.cuda.Device)
+    return found
+
+
+def _cupy_current_stream(dev_id: int):
+    """CuPy's view of torch's current stream on ``dev_id`` (the null stream when that is current)."""
+    from ._jit import cupy_stream
+
+    handle = _stream_handle(dev_id)
+    if handle:
+        return cupy_stream(handle, dev_id)
+    import cupy
+
+    return cupy.cuda.Stream.null
 
 
 def _stream_handle_slow(index: int) -> int:
@@ -658,8 +681,6 @@ def _cupy_runs(tables, layout: KVLayout, device: torch.device, dev_id: int, ctyp
     runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
     if R == 0:
         return
-    from ._jit import cupy_stream
-
     fn, getdev, device_ctx = _runs_function(dev_id, ctype)
     L, _, H, _, D = layout.sizes
     per_run = 1 if _RUN_KVF else 2  # warps per (run, layer group)
@@ -668,13 +689,7 @@ def _cupy_runs(tables, layout: KVLayout, device: torch.device, dev_id: int, ctyp
     units = per_run * R * (-(-L // lg))
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-    handle = _stream_handle(dev_id)
-    if handle:
-        stream = cupy_stream(handle, dev_id)
-    else:
-        import cupy
-
-        stream = cupy.cuda.Stream.null
+    stream = _cupy_current_stream(dev_id)
     i32, i64 = np.int32, np.int64
     args = (runs_ptr, pos_ptr, base_ptr, i64(R), i64(tables["total"]), i32(L), i32(lg), i32(H), i32(D),
             i32(layout.k_strides[2]), i32(layout.v_strides[2]), i32(layout.k_strides[3]), i32(layout.v_strides[3]),
