@@ -53,6 +53,26 @@ def _timer(device: torch.device):
     return run
 
 
+def _kernel_us(fn, reps: int = 21) -> float | None:
+    """Median device time (µs) of the kernel ``fn`` launches, from the CUDA profiler: the kernel
+    alone, without the host's submission time that the event-bracketed "launch only" includes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+                torch.cuda.synchronize()
+        times = [e.time_range.elapsed_us() for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "place" in e.name.lower()]
+    except Exception as exc:  # the profiler is optional here: report why it gave nothing
+        print(f"kernel time from the profiler unavailable: {type(exc).__name__}: {exc}")
+        return None
+    kernels = [t for t in times if t > 0]
+    return statistics.median(kernels) if kernels else None
+
+
 def seed_case(device: torch.device, backends: list[str], layers: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     L, H, D, N = layers, 2, 64, 16
@@ -95,6 +115,7 @@ def seed_case(device: torch.device, backends: list[str], layers: int) -> dict:
             for name, fn in order:
                 rows[name].append(run(fn))
         res[backend] = {
+            "kernel_us": _kernel_us(launch.run) if device.type == "cuda" and backend != "torch" else None,
             "launch_only_ms": statistics.median(r[0] for r in rows["launch"]),
             "batched_kernel_ms": statistics.median(r[0] for r in rows["batched"]),
             "batched_call_ms": statistics.median(r[1] for r in rows["batched"]),
@@ -194,11 +215,12 @@ def main() -> None:
     s = report["seed"]
     print(f"# bench_place on {report['device']} ({report['date']}, torch {report['torch']})")
     print(f"\nSeed size: {s['placements']} placements, {s['layers']} layers, {s['bytes_moved'] / 1e6:.1f} MB read+write")
-    print("| backend | launch only, GPU (ms) | launch GB/s | batched call, GPU span (ms) | batched call, wall (ms) | "
-          "16 calls, wall (ms) | 16 calls / batched |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | kernel, profiler (µs) | launch only, GPU (ms) | launch GB/s | batched call, GPU span (ms) | "
+          "batched call, wall (ms) | 16 calls, wall (ms) | 16 calls / batched |")
+    print("|---|---|---|---|---|---|---|---|")
     for b, r in s["backends"].items():
-        print(f"| {b} | {r['launch_only_ms']:.4f} | {r['launch_GBps']:.0f} | {r['batched_kernel_ms']:.3f} | "
+        k = f"{r['kernel_us']:.1f}" if r.get("kernel_us") else "-"
+        print(f"| {b} | {k} | {r['launch_only_ms']:.4f} | {r['launch_GBps']:.0f} | {r['batched_kernel_ms']:.3f} | "
               f"{r['batched_call_ms']:.3f} | {r['serial_call_ms']:.3f} | {r['serial_over_batched']:.2f} |")
     for key in ("large", "large_flash"):
         g = report[key]
