@@ -2,8 +2,9 @@
 device-to-device copy of the same bytes: where does placement lose bandwidth?
 
 Default: three layouts x sequential/shuffled blocks x with/without the shift. ``--shapes`` instead
-sweeps the vectorised kernel's shape (chunks per lane x layers per lane) on LBHNC with shuffled
-blocks; it sets kmesh_gpu.place's private kernel-shape constants for the duration of the run.
+sweeps the per-token vectorised kernel's shape (chunks per lane x layers per lane) on LBHNC with
+shuffled blocks, the run kernel switched off; it sets kmesh_gpu.place's private constants for the
+duration of the run. (tools/place_runs_tune.py sweeps the run kernel.)
 
 Usage (GPU machine): PYTHONPATH=. python tools/place_variants.py [--shapes]
 """
@@ -70,12 +71,14 @@ def main() -> None:
         cache = layout.allocate(dev, fill=0)
         slots = slot_mapping(layout, "shuffled-blocks")
         saved = place_mod._VEC_PER, place_mod._VEC_LPT
+        runs_saved, place_mod._RUNS = place_mod._RUNS, False  # the shapes are the per-token kernel's
         try:
             for per, lpt in SHAPES:
                 place_mod._VEC_PER, place_mod._VEC_LPT = per, lpt
                 print(f"PER={per} LPT={lpt:2d}: " + one_row(kv, cache, layout, slots, rope, lambda: dst.copy_(src)))
         finally:
             place_mod._VEC_PER, place_mod._VEC_LPT = saved
+            place_mod._RUNS = runs_saved
         return
     for name in ("LBHNC", "LBNHC", "BLHNC"):
         layout = KVLayout.from_vllm(name, num_layers=L, num_blocks=T // N + 64, block_size=N, num_kv_heads=H,
