@@ -517,6 +517,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                          notes=[IO_ENGINE_NOTE])
     events: queue.SimpleQueue = queue.SimpleQueue()
     pending = 0  # loads started whose "done" event has not been taken yet
+    stopped = []  # set when this call gives up: reading threads copy no further chunks
     streams = verifier = None
     read_start = read_end = None
     prepare_s, sources, o_direct_flags, io_notes = 0.0, {}, set(), set()
@@ -547,15 +548,20 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             for i in resident:
                 leases[i].fence(resident_event)
         # 2. Missing objects: every chunk of every one is queued on the tier's read pool now, in
-        # order; chunks report as they land and this thread turns each into an async H2D copy and
-        # each finished object into a digest launch, while the other reads go on.
+        # order; the reading thread that lands a chunk issues its async H2D copy on the copy stream
+        # itself (the tier reports an object done only after all its chunk callbacks returned), and
+        # this thread turns each finished object into a digest launch, while the other reads go on.
         missing = [i for i in range(n) if leases[i] is None]
         read_start = time.perf_counter()
         if missing:
             pending = len(missing)
 
             def on_chunk(j, chunk, lo, hi):
-                events.put(("chunk", missing[j], chunk, lo, hi))
+                if stopped:
+                    return
+                off = offsets[missing[j]]
+                with streams.on_copy():  # a raise here fails that object's load (on_done gets it)
+                    buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
 
             def on_done(j, lease, error):
                 events.put(("done", missing[j], lease, error, time.perf_counter()))
@@ -580,21 +586,13 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
         failure = None
         while pending:
-            kind, i, item, a, b = events.get()
+            _, i, item, a, b = events.get()
             header, off = headers[i], offsets[i]
-            if kind == "chunk":
-                # item: the pinned host chunk holding payload bytes [a, b)
-                if failure is None:
-                    try:
-                        with streams.on_copy():
-                            buffer[off + a: off + b].copy_(item, non_blocking=True)
-                    except BaseException as exc:
-                        failure = exc
-                continue
             pending -= 1
             lease, error, when = item, a, b
             if error is not None:
                 failure = failure or error
+                stopped.append(True)
                 continue
             leases[i] = lease
             if failure is not None:
@@ -634,15 +632,20 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         streams.join()
         streams.sync()
     finally:
+        stopped.append(True)
         if streams is not None:
             streams.join()
         # Loads still in flight after an early error: take their leases so every one is released.
+        drained = bool(pending)
         while pending:
-            kind, i, item, error, _ = events.get()
-            if kind == "done":
-                pending -= 1
-                if error is None:
-                    leases[i] = item
+            _, i, item, error, _ = events.get()
+            pending -= 1
+            if error is None:
+                leases[i] = item
+        if drained and streams is not None and streams.copy is not None:
+            # chunk copies issued by reading threads before they saw `stopped`: the caller's stream
+            # (which frees `buffer`) waits for them too
+            streams.caller.wait_stream(streams.copy)
         for lease in leases:
             if lease is not None:
                 lease.release()
