@@ -7,8 +7,6 @@ direct route needs CUDA and KvikIO.
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
 import threading
 
 import pytest
@@ -32,6 +30,7 @@ from kmesh_host import (
     restore_host_staging,
 )
 from tests.helpers.devices import DEVICES
+from tests.helpers.io import refuse_o_direct_at_open
 
 L, H, D = 2, 2, 16
 DTYPE = torch.bfloat16
@@ -214,14 +213,7 @@ def test_private_tier_when_none_is_given(store, segments):
 
 
 def test_o_direct_refusal_is_reported(store, segments, monkeypatch):
-    real_open = os.open
-
-    def refusing(p, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", refusing)
+    refuse_o_direct_at_open(monkeypatch)
     tier = make_tier(store, "cpu")
     result = restore_host_staging(store, [RestoreTarget(k) for k, _, _ in segments], model_fingerprint=FP,
                                   device="cpu", tier=tier, verify="host")

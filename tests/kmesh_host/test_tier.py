@@ -26,6 +26,7 @@ from kmesh_host import (
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
 from kmesh_host.tier import BufferPool
 from kmesh_gpu.errors import StorageError
+from tests.helpers.io import refuse_o_direct_at_open
 
 FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
 OBJ = 8192  # padded payload of one test segment: (2, 2, 64, 2, 8) bf16 = 8192 bytes
@@ -375,14 +376,7 @@ def test_o_direct_refused_at_open_falls_back(tmp_path, monkeypatch):
     path = str(tmp_path / "f.bin")
     data = os.urandom(5000)
     open(path, "wb").write(data)
-    real_open = os.open
-
-    def refusing(p, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", refusing)
+    refuse_o_direct_at_open(monkeypatch)
     with DirectFile(path) as f, ReadEngine(1, 4096) as engine, HostBuffer(8192) as buf:
         assert not f.o_direct and "refused O_DIRECT" in f.fallback_reason
         assert bytes(engine.read(f, 0, 5000, buf.view)) == data
@@ -408,14 +402,7 @@ def test_o_direct_refused_at_read_falls_back(tmp_path, monkeypatch):
 
 
 def test_tier_reports_the_fallback(store, keys, monkeypatch):
-    real_open = os.open
-
-    def refusing(p, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", refusing)
+    refuse_o_direct_at_open(monkeypatch)
     tier = tier_for(store)
     with tier.acquire(keys[0], model_fingerprint=FP) as lease:
         assert lease.o_direct is False and "O_DIRECT" in lease.io_note
