@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _backend
+from . import _backend, _host_tables
 from .errors import BackendError, LayoutError
 from .layout import KVLayout, storage_dtype
 from .rope import RopeSpec, shift_fp32
@@ -753,6 +753,7 @@ class _Launch:
 
 # ---------------------------------------------------------------------------------- fast path
 _FAST = True  # prepare_place_many's fast path (tests switch it off to compare with the general path)
+_COMPILED = True  # the fast path's compiled run-table builder (tests switch it off to compare with NumPy's)
 _FACTS: dict = {}  # (cache address, shape, strides, dtype, device, id(layout), id(rope)) -> _Facts
 _FACTS_MAX = 32
 
@@ -764,7 +765,7 @@ class _Facts:
     is not kept alive): another tensor with those passes the same checks."""
 
     __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
-                 "row", "kv_shape", "st", "vt", "consts")
+                 "row", "kv_shape", "st", "vt", "consts", "params")
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
         flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
@@ -786,6 +787,7 @@ class _Facts:
         self.kv_shape = (L, H, D)
         self.st, self.vt = layout.k_strides, layout.v_strides
         self.consts = _consts(layout, rope, None, self.device)  # K scales of 1 (fp8 with RoPE: per call)
+        self.params: dict = {}  # longest run -> the compiled run builder's constants (_host_tables.PARAMS)
 
 
 def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:
@@ -874,6 +876,14 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
                                                                    and _host_ints(news, counts))):
         return None
     sl = (torch.cat(slots) if n > 1 else slots[0]).numpy()
+    if f.cap[0] != _RUN_GROUPS:  # the kernel shape changed (tools that sweep it)
+        f.cap = (_RUN_GROUPS, _run_cap(f.layout, f.rope, False))
+    cap = f.cap[1] if _RUNS and be == "cupy" and f.vec16 and bits % 16 == 0 else 0
+    counts_t = tuple(counts)
+    if cap and _COMPILED:
+        launch = _compiled_runs(f, layout, rope, scale, be, sl, counts_t, ptrs, olds, news, cap, slots_checked)
+        if launch is not None:
+            return launch
     lo, hi = int(np.minimum.reduce(sl)), int(np.maximum.reduce(sl))
     if not slots_checked and (lo < -1 or hi >= f.S):
         return None
@@ -886,10 +896,6 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
         elif not _distinct(sl[valid], f.S):
             return None
     # the run kernel where it applies and pays; the per-token kernels otherwise
-    if f.cap[0] != _RUN_GROUPS:  # the kernel shape changed (tools that sweep it)
-        f.cap = (_RUN_GROUPS, _run_cap(f.layout, f.rope, False))
-    cap = f.cap[1] if _RUNS and be == "cupy" and f.vec16 and bits % 16 == 0 else 0
-    counts_t = tuple(counts)
     starts, tok_item, row_off, step = _token_index(counts_t, f.row)
     if cap:
         bounds = starts[1:-1]  # where a new item begins (an empty last item would begin at T)
@@ -940,6 +946,42 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
     tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * (L + 2 * T), p + 8 * L, p, R),
               "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
     return _Launch._built(layout, device, rope, scale, be, tables)
+
+
+def _compiled_runs(f: _Facts, layout, rope, scale, be: str, sl: np.ndarray, counts: tuple, ptrs: list, olds, news,
+                   cap: int, slots_checked: bool):
+    """The run kernel's launch built by the compiled builder (``_host_tables``) in one pass, or
+    ``None`` (no Numba, a skipped token, slots not increasing, a position out of range, or runs too
+    short to pay): the NumPy path then decides. Same buffer and table as the NumPy path."""
+    build = _host_tables.builder()
+    if build is None:
+        return None
+    L, T = f.kv_shape[0], sl.size
+    starts = _token_index(counts, f.row)[0]
+    # [layer bases L | old, new positions 2 x T | runs R x _RUN_COLS], sized for the most runs (T)
+    host = torch.empty(L + 2 * T + T * _RUN_COLS, dtype=torch.int64, pin_memory=f.cuda)
+    h = host.numpy()
+    h[:L] = f.layer_base
+    if rope is not None:
+        torch.cat(list(olds) + list(news), out=host[L:L + 2 * T])
+        pos, P = h[L:L + 2 * T], f.P
+    else:
+        h[L:L + 2 * T] = 0  # never read without RoPE
+        pos, P = h[:0], 0
+    params = f.params.get(cap)
+    if params is None:
+        st, vt = f.st, f.vt
+        params = f.params[cap] = np.array([f.row, f.N, cap, f.S, P, st[1], st[3], layout.k_offset, vt[1], vt[3],
+                                           layout.v_offset], dtype=np.int64)
+    R = build(sl, starts, _i64(ptrs), params, not slots_checked, pos, h[L + 2 * T:].reshape(T, _RUN_COLS))
+    if R <= 0 or 2 * T < cap * R:  # runs average under cap / 2: the per-token kernel is faster
+        return None
+    dev = host[:L + 2 * T + R * _RUN_COLS].to(f.device, non_blocking=True)
+    p = dev.data_ptr()
+    consts = f.consts if scale is None else _consts(layout, rope, scale, f.device)
+    tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * (L + 2 * T), p + 8 * L, p, R),
+              "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
+    return _Launch._built(layout, f.device, rope, scale, be, tables)
 
 
 def _positions_ok(pos: np.ndarray, P: int, valid) -> bool:

@@ -479,6 +479,91 @@ def test_fast_run_table_matches_general(monkeypatch):
         assert np.array_equal(a, b)
 
 
+def _run_tables(launch, L):
+    """(runs, old|new positions, layer bases) of a fast-path run-kernel launch, or None (per-token)."""
+    if launch.tables is None or launch.tables.get("runs") is None:
+        return None
+    _, _, _, R = launch.tables["run_args"]
+    T = launch.tables["total"]
+    h = launch.tables["buffer"].numpy()
+    return h[L + 2 * T:L + 2 * T + 7 * R].reshape(R, 7).copy(), h[L:L + 2 * T].copy(), h[:L].copy()
+
+
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_compiled_run_builder_matches_numpy(monkeypatch, with_rope):
+    """The compiled run-table builder against the NumPy path on random restores: runs across items
+    and blocks, gaps, skipped tokens, unsorted slots, out-of-range positions (its fallbacks), K and V
+    in different block arrangements; the same tables, the same choice of kernel, the same errors."""
+    import importlib
+
+    import numpy as np
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    from kmesh_gpu import _backend, _host_tables
+
+    if _host_tables.builder() is None:
+        pytest.fail("Numba is a dependency: the compiled run builder must be available")
+    monkeypatch.setattr(_backend, "choose", lambda backend, device: "cupy")
+    L, H, D = 2, 2, 64
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(11)
+    seen = {"runs": 0, "per-token": 0, "error": 0, "compiled": 0}
+    compiled_runs = place_mod._compiled_runs
+
+    def counted(*args):
+        launch = compiled_runs(*args)
+        seen["compiled"] += launch is not None
+        return launch
+
+    monkeypatch.setattr(place_mod, "_compiled_runs", counted)
+    for trial in range(60):
+        N = int(rng.choice([8, 16, 32]))
+        layout = KVLayout.from_vllm(["NHD", "HND", "LBHNC"][trial % 3], num_layers=L, num_blocks=24, block_size=N,
+                                    num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+        rope = RopeSpec(D, D, 10000.0, bool(trial % 2), MAXPOS, torch.bfloat16) if with_rope else None
+        T = [int(t) for t in rng.integers(0, 40, int(rng.integers(1, 5)))]
+        if sum(T) == 0:
+            T[0] = 3
+        total = sum(T)
+        start = int(rng.integers(0, layout.num_slots - total))
+        sl = np.arange(start, start + total, dtype=np.int64)
+        kind = trial % 6
+        if kind == 1:  # gaps
+            sl = np.sort(rng.choice(layout.num_slots, total, replace=False)).astype(np.int64)
+        elif kind == 2:  # a skipped token
+            sl[int(rng.integers(0, total))] = -1
+        elif kind == 3:  # distinct but not increasing
+            sl = rng.permutation(sl)
+        elif kind == 4:  # a duplicate
+            sl[-1] = sl[0]
+        kvs = [_segment(torch.bfloat16, t, gen, L=L, H=H, D=D) for t in T]
+        slots = list(torch.split(torch.from_numpy(sl), T))
+        olds = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+        news = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+        if kind == 5 and with_rope:
+            news[-1 if T[-1] else 0][...] = MAXPOS  # out of range (on an empty item: nothing)
+        cache = layout.allocate(fill=0)
+        kw = dict(rope=rope, old_positions=olds, new_positions=news) if with_rope else {}
+        out = {}
+        for compiled in (True, False):
+            monkeypatch.setattr(place_mod, "_COMPILED", compiled)
+            try:
+                out[compiled] = _run_tables(place_mod.prepare_place_many(kvs, cache, layout, slots, **kw), L)
+            except LayoutError as err:
+                out[compiled] = str(err)
+        a, b = out[True], out[False]
+        if isinstance(b, str) or b is None:
+            seen["error" if isinstance(b, str) else "per-token"] += 1
+            assert a == b
+        else:
+            seen["runs"] += 1
+            assert a is not None and all(np.array_equal(x, y) for x, y in zip(a, b))
+    # both kernels' choices were exercised, and most run tables came from the compiled builder
+    assert seen["runs"] >= 10 and seen["per-token"] >= 3 and seen["compiled"] >= 5
+    if with_rope:
+        assert seen["error"] >= 3
+
+
 @pytest.mark.parametrize("case", ["dup", "range", "neg", "pos", "dtype", "length", "kv", "kscale"])
 def test_fast_path_bad_inputs_raise_like_general(case):
     gen = torch.Generator().manual_seed(9)
