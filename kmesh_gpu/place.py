@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _backend, _host_tables
+from . import _backend, _host_tables, _launch
 from .errors import BackendError, LayoutError
 from .layout import KVLayout, storage_dtype
 from .rope import RopeSpec, shift_fp32
@@ -586,7 +586,6 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
     L, _, H, N, D = layout.sizes
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-    stream = _cupy_current_stream(dev_id)
     i32, i64 = np.int32, np.int64
     common = (i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd))
     tail = (tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
@@ -605,11 +604,7 @@ def _cupy_run(tables, layout: KVLayout, device: torch.device, *, gather: bool, r
         args = tuple(tables[k].data_ptr() for k in ("kv_ptrs", "item_tok_start", "tok_item", "slots", "old_pos",
                                                     "new_pos", "layer_base", "item_cache", "k_st", "v_st")) \
             + (i64(L), i64(H), i64(D), i64(N), i64(total)) + common + (i32(int(tables["vec16"])),) + tail
-    if getdev() == dev_id:
-        fn(grid, (lanes, rows_per_block), args, stream=stream)
-    else:
-        with device_ctx(dev_id):
-            fn(grid, (lanes, rows_per_block), args, stream=stream)
+    _launch_on(fn, getdev, device_ctx, dev_id, grid, (lanes, rows_per_block), args)
 
 
 _TOKEN_FNS: dict = {}  # (device, kernel name) -> (CUDA function, cupy getDevice, cupy Device)
@@ -689,17 +684,24 @@ def _cupy_runs(tables, layout: KVLayout, device: torch.device, dev_id: int, ctyp
     units = per_run * R * (-(-L // lg))
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-    stream = _cupy_current_stream(dev_id)
     i32, i64 = np.int32, np.int64
     args = (runs_ptr, pos_ptr, base_ptr, i64(R), i64(tables["total"]), i32(L), i32(lg), i32(H), i32(D),
             i32(layout.k_strides[2]), i32(layout.v_strides[2]), i32(layout.k_strides[3]), i32(layout.v_strides[3]),
             i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd), tables["cos_sin"].data_ptr(),
             tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
+    _launch_on(fn, getdev, device_ctx, dev_id, (-(-units // 8),), (256,), args)
+
+
+def _launch_on(fn, getdev, device_ctx, dev_id: int, grid: tuple, block: tuple, args: tuple) -> None:
+    """Launch ``fn`` on torch's current stream of ``dev_id``: through the driver when ``dev_id`` is
+    the current device (one ctypes call), else, or when the driver declines, through CuPy."""
     if getdev() == dev_id:
-        fn((-(-units // 8),), (256,), args, stream=stream)
+        if _launch.launch(fn, grid, block, _stream_handle(dev_id), args):
+            return
+        fn(grid, block, args, stream=_cupy_current_stream(dev_id))
     else:
         with device_ctx(dev_id):
-            fn((-(-units // 8),), (256,), args, stream=stream)
+            fn(grid, block, args, stream=_cupy_current_stream(dev_id))
 
 
 class _Launch:

@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 
-from . import _backend
+from . import _backend, _launch
 from .errors import BackendError, IntegrityError, LayoutError
 
 TREE_FORMAT = "kmesh-tree-sha256/v1"
@@ -559,7 +559,8 @@ class _Lane:
             out = data.new_empty((plan.n_obj, 32))   # a fresh tensor per call, on the current stream
         args = (np.uint64(data.data_ptr()),) + mid + (np.uint64(out.data_ptr()), _RESET)
         if self.getdev() == self.index:
-            self.fn(plan.grid, _BLOCK, args, stream=self.stream)
+            if not _launch.launch(self.fn, plan.grid, _BLOCK, self.handle, args):
+                self.fn(plan.grid, _BLOCK, args, stream=self.stream)
         else:
             with self.device_ctx(self.index):
                 self.fn(plan.grid, _BLOCK, args, stream=self.stream)

@@ -634,3 +634,31 @@ def test_runs_split_matches_a_loop():
         item = np.sort(rng.integers(0, 4, n))
         first, length = _run_rows(sl, item, N, cap)
         assert [list(r) for r in zip(first.tolist(), length.tolist())] == loop(sl, item, N, cap)
+
+
+@pytest.mark.gpu
+def test_driver_launch_matches_cupy_launch(monkeypatch):
+    """Kernels launched through cuLaunchKernel (kmesh_gpu._launch) write the same bits as CuPy's
+    launch of the same kernels, and the driver path is the one taken by default."""
+    from kmesh_gpu import _launch
+
+    accepted = []
+    real = _launch.launch
+
+    def counted(*args):
+        ok = real(*args)
+        accepted.append(ok)
+        return ok
+
+    monkeypatch.setattr(_launch, "launch", counted)
+    outs = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(_launch, "ENABLED", enabled)
+        accepted.clear()
+        outs[enabled] = _run_kernel_case(torch.bfloat16, 64, True, gather_too=False)
+        if enabled:  # the per-token and the run kernel
+            assert len(accepted) >= 2 and all(accepted)
+        else:
+            assert accepted and not any(accepted)
+    for name in ("cupy-tokens", "cupy-runs"):
+        assert torch.equal(outs[True][name][0], outs[False][name][0])

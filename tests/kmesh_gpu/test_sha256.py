@@ -689,3 +689,22 @@ def test_gpu_fused_is_the_default_cupy_tree_and_matches_levels_on_large_payload(
     fused = _rows(tree_digests(data, offs, lens, backend="cupy"))
     levels = _rows(sha_mod._tree_digests_path(data, offs, lens, path="levels"))
     assert fused == levels == _reference_roots(host.numpy().tobytes(), offs, lens)
+
+
+@pytest.mark.gpu
+def test_driver_launch_matches_cupy_launch(monkeypatch):
+    """The fused tree kernel launched through cuLaunchKernel gives CuPy's launch's roots (and the
+    host reference's)."""
+    from kmesh_gpu import _launch
+
+    gen = torch.Generator().manual_seed(4)
+    host = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=gen)
+    data = host.cuda()
+    offsets, lengths = [0, 1 << 20, (1 << 20) + 4096], [1 << 20, 4096, 2 << 20]
+    roots = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(_launch, "ENABLED", enabled)
+        roots[enabled] = tree_digests(data, offsets, lengths, backend="cupy").cpu()
+    assert torch.equal(roots[True], roots[False])
+    for i, (o, n) in enumerate(zip(offsets, lengths)):
+        assert bytes(roots[True][i].tolist()) == tree_digest(host[o:o + n].numpy().tobytes())
