@@ -700,7 +700,7 @@ def test_driver_launch_matches_cupy_launch(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     host = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=gen)
     data = host.cuda()
-    offsets, lengths = [0, 1 << 20, (1 << 20) + 4096], [1 << 20, 4096, 2 << 20]
+    offsets, lengths = [0, 1 << 20, (1 << 20) + 4096], [1 << 20, 4096, (2 << 20) - 4096]
     roots = {}
     for enabled in (True, False):
         monkeypatch.setattr(_launch, "ENABLED", enabled)
