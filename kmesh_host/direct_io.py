@@ -3,9 +3,10 @@
 O_DIRECT needs the buffer address, the file offset and the length to be multiples of the device's
 logical block size; 4096 covers every device we meet. Buffers come from anonymous ``mmap`` (page
 aligned) and are page-locked with ``cudaHostRegister`` when CUDA is available, so async H2D copies
-can read them. Reads are split into chunks served by a thread pool of ``os.preadv`` calls (the
-GIL is released during each call); io_uring is not used because no Python binding is installed
-here, and reports say ``io_engine="threads"``.
+can read them. Reads are split into chunks and go through io_uring where the kernel offers it
+(:mod:`kmesh_host.uring`: all chunks handed to the kernel in one call, one completion thread),
+else through a thread pool of ``os.preadv`` calls (the GIL is released during each call); the
+engine says which (``ReadEngine.engine``) and reports carry it.
 
 Where a filesystem refuses O_DIRECT (EINVAL at open or at the first read) the file is read through
 the page cache instead and the reader says so (``o_direct=False`` with the reason); callers that
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -27,8 +29,6 @@ import torch
 from kmesh_gpu.errors import IntegrityError, StorageError
 
 ALIGN = 4096
-IO_ENGINE = "threads"
-IO_ENGINE_NOTE = "io_uring not used: no Python io_uring binding is installed; os.preadv on a thread pool"
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -189,24 +189,94 @@ class DirectFile:
         self.close()
 
 
+ENGINES = ("auto", "io_uring", "threads")
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    anchor = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
 class ReadEngine:
-    """A thread pool that reads file ranges in chunks into aligned buffers (the pool is owned here).
+    """Reads file ranges in chunks into aligned buffers: through io_uring where the kernel offers
+    it, else on a thread pool of ``os.preadv`` calls (the engine is owned here).
+
+    ``engine``: ``"auto"`` (io_uring when :func:`kmesh_host.uring.available`, else threads),
+    ``"io_uring"`` (required: :class:`StorageError` if it is not available) or ``"threads"``.
+    ``threads`` is the queue depth either way: reads in flight at once (io_uring) or reading
+    threads (pool). :attr:`engine` says which one runs, :attr:`engine_note` why when it is not
+    io_uring.
 
     :meth:`submit` starts the chunk reads of one range and returns a :class:`RangeRead`; its
     :meth:`RangeRead.chunks` yields each chunk in file order as soon as it is in memory, so the
     caller can start copying it to the GPU while later chunks are still being read.
-    :meth:`start` is its callback form: each chunk reports itself from the reading thread as it
-    lands, in any order, so one caller can keep the chunks of many ranges in flight without a thread
-    per range. Chunks are served first in, first out: ranges started in order are read in order,
-    ``threads`` chunks at a time.
+    :meth:`start` is its callback form: each chunk reports itself as it lands (from the io_uring
+    completion thread or the reading thread), in any order, so one caller can keep the chunks of
+    many ranges in flight without a thread per range. Chunks are served first in, first out:
+    ranges started in order are read in order, ``threads`` chunks at a time.
     """
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = 1 << 20):
+    def __init__(self, threads: int = 4, chunk_bytes: int = 1 << 20, *, engine: str = "auto"):
         if chunk_bytes <= 0 or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes: expected a positive multiple of {ALIGN}, got {chunk_bytes}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
         self.threads = max(1, int(threads))
         self.chunk_bytes = chunk_bytes
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kmesh-read")
+        self._uring = self._pool = None
+        self.engine, self.engine_note = "threads", "threads requested"
+        if engine != "threads":
+            from . import uring
+
+            ok, why = uring.available()
+            if ok:
+                self._uring = uring.UringReader(self.threads)
+                self.engine, self.engine_note = "io_uring", ""
+            elif engine == "io_uring":
+                raise StorageError(f"io_uring requested but not usable here: {why}")
+            else:
+                self.engine_note = why
+        if self._uring is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kmesh-read")
+
+    @property
+    def description(self) -> str:
+        if self.engine == "io_uring":
+            return f"io_uring (queue depth {self.threads})"
+        return f"os.preadv on {self.threads} threads ({self.engine_note})"
+
+    def _chunks(self, file: DirectFile, offset: int, length: int, buffer: memoryview):
+        lead = offset % ALIGN
+        start = offset - lead
+        total = round_up(lead + length)
+        if len(buffer) < total:
+            raise ValueError(f"buffer: {len(buffer)} bytes cannot hold the aligned range of {total}")
+        return lead, start, [(a, min(total, a + self.chunk_bytes)) for a in range(0, total, self.chunk_bytes)]
+
+    def _read(self, file: DirectFile, buffer: memoryview, base: int, a: int, b: int, file_offset: int,
+              done: Callable[[int, BaseException | None], None]) -> None:
+        """Read ``buffer[a:b]`` from ``file_offset``; ``done(nbytes, error)`` once it is whole or failed."""
+        if self._uring is not None:
+            view = buffer[a:b]
+            # a failed read is redone synchronously: it raises the StorageError, or (EINVAL on the
+            # first O_DIRECT read) the file falls back to the page cache as on the thread pool
+            self._uring.read(file.fileno(), base + a, b - a, file_offset, done, size=file.size,
+                             retry=lambda: file.pread_into(view, file_offset))
+            return
+
+        def run():
+            try:
+                n = file.pread_into(buffer[a:b], file_offset)
+            except BaseException as exc:
+                done(0, exc)
+                return
+            done(n, None)
+
+        self._pool.submit(run)
 
     def submit(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *,
                name: str = "") -> "RangeRead":
@@ -215,52 +285,33 @@ class ReadEngine:
         ``buffer`` must start page aligned and hold ``round_up(offset % 4096 + length)`` bytes;
         the data lands at ``buffer[offset % 4096:]`` (the aligned superset of the range is read).
         """
-        lead = offset % ALIGN
-        start = offset - lead
-        total = round_up(lead + length)
-        if len(buffer) < total:
-            raise ValueError(f"buffer: {len(buffer)} bytes cannot hold the aligned range of {total}")
+        lead, start, chunks = self._chunks(file, offset, length, buffer)
+        base = _address(buffer) if self._uring is not None else 0
         pieces = []
-        for a in range(0, total, self.chunk_bytes):
-            b = min(total, a + self.chunk_bytes)
-            pieces.append((a, b, self._pool.submit(file.pread_into, buffer[a:b], start + a)))
+        for a, b in chunks:
+            fut: Future = Future()
+            pieces.append((a, b, fut))
+            self._read(file, buffer, base, a, b, start + a, functools.partial(_settle, fut))
         return RangeRead(file, name or file.path, lead, length, pieces)
 
     def start(self, file: DirectFile, offset: int, length: int, buffer: memoryview,
               on_chunk: Callable[[int, int, BaseException | None], None], *, name: str = "") -> int:
         """Start reading ``file[offset : offset + length]`` into ``buffer`` (placed as in :meth:`submit`).
 
-        ``on_chunk(lo, hi, error)`` runs on the reading thread once per chunk, as it completes (any
-        order): ``buffer[lo:hi]`` (clipped to the requested bytes) is in memory when ``error`` is
-        ``None``; otherwise ``error`` is the read's StorageError, or an IntegrityError when the file
-        ends inside the range. Returns the number of chunks, i.e. of ``on_chunk`` calls to expect.
+        ``on_chunk(lo, hi, error)`` runs once per chunk, as it completes (any order), on the
+        engine's completion thread: ``buffer[lo:hi]`` (clipped to the requested bytes) is in memory
+        when ``error`` is ``None``; otherwise ``error`` is the read's StorageError, or an
+        IntegrityError when the file ends inside the range. Returns the number of chunks, i.e. of
+        ``on_chunk`` calls to expect.
         """
-        lead = offset % ALIGN
-        start = offset - lead
-        total = round_up(lead + length)
-        if len(buffer) < total:
-            raise ValueError(f"buffer: {len(buffer)} bytes cannot hold the aligned range of {total}")
+        lead, start, chunks = self._chunks(file, offset, length, buffer)
         end = lead + length
         label = name or file.path
-        count = 0
-        for a in range(0, total, self.chunk_bytes):
-            b = min(total, a + self.chunk_bytes)
-            self._pool.submit(self._read_chunk, file, buffer[a:b], start + a, a, b, lead, end, label, on_chunk)
-            count += 1
-        return count
-
-    @staticmethod
-    def _read_chunk(file: DirectFile, view: memoryview, file_offset: int, a: int, b: int, lead: int, end: int,
-                    name: str, on_chunk) -> None:
-        try:
-            n = file.pread_into(view, file_offset)
-            if a + n < min(b, end):
-                raise IntegrityError(f"segment {name}: file ends at {a + n} bytes into the read range, "
-                                     f"expected {end} (truncated)")
-        except BaseException as exc:  # reported to the caller, who owns the range
-            on_chunk(max(a, lead), min(b, end), exc)
-            return
-        on_chunk(max(a, lead), min(b, end), None)
+        base = _address(buffer) if self._uring is not None else 0
+        for a, b in chunks:
+            self._read(file, buffer, base, a, b, start + a,
+                       functools.partial(_chunk_done, a, b, lead, end, label, on_chunk))
+        return len(chunks)
 
     def read(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *, name: str = "") -> memoryview:
         """Blocking :meth:`submit`; returns the view of exactly the requested bytes."""
@@ -270,13 +321,31 @@ class ReadEngine:
         return buffer[rr.lead:rr.lead + length]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._uring is not None:
+            self._uring.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _settle(fut: Future, n: int, error: BaseException | None) -> None:
+    if error is None:
+        fut.set_result(n)
+    else:
+        fut.set_exception(error)
+
+
+def _chunk_done(a: int, b: int, lead: int, end: int, name: str, on_chunk, n: int, error: BaseException | None) -> None:
+    """One chunk of :meth:`ReadEngine.start` finished: report it, a short file as IntegrityError."""
+    if error is None and a + n < min(b, end):
+        error = IntegrityError(f"segment {name}: file ends at {a + n} bytes into the read range, "
+                               f"expected {end} (truncated)")
+    on_chunk(max(a, lead), min(b, end), error)
 
 
 class RangeRead:
@@ -325,5 +394,5 @@ def file_o_direct_support(path: str) -> tuple[bool, str | None]:
         return f.o_direct, f.fallback_reason
 
 
-__all__ = ["ALIGN", "IO_ENGINE", "IO_ENGINE_NOTE", "HostBuffer", "DirectFile", "ReadEngine", "RangeRead",
+__all__ = ["ALIGN", "ENGINES", "HostBuffer", "DirectFile", "ReadEngine", "RangeRead",
            "round_up", "round_down", "file_o_direct_support"]

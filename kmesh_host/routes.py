@@ -55,7 +55,7 @@ import kmesh_gpu
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import prepare_place_many
 
-from .direct_io import ALIGN, IO_ENGINE, IO_ENGINE_NOTE, round_up
+from .direct_io import ALIGN, round_up
 from .segment import ModelFingerprint, Segment, SegmentHeader, check_fingerprint, check_payload
 from .store import SegmentStore
 from .tier import HostTier, HostTierConfig
@@ -513,8 +513,9 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     t0 = time.perf_counter()
     n = len(targets)
     leases: list = [None] * n
-    report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=IO_ENGINE,
-                         notes=[IO_ENGINE_NOTE])
+    engine = tier.io_engine
+    report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
+                         notes=[f"reads: {engine.description}"])
     events: queue.SimpleQueue = queue.SimpleQueue()
     pending = 0  # loads started whose "done" event has not been taken yet
     stopped = []  # set when this call gives up: reading threads copy no further chunks
@@ -663,15 +664,15 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     # With reads queued in object order, objects land one after another and each digest overlaps
     # the later reads; ~equal times mean the disk served all objects' chunks together.
     report.facts["loads_done_s"] = landed
-    report.facts["io"] = {"engine": IO_ENGINE, "read_threads": cfg.read_threads, "chunk_bytes": cfg.chunk_bytes,
+    report.facts["io"] = {"engine": engine.engine, "engine_note": engine.engine_note, "chunk_bytes": cfg.chunk_bytes,
                           "queue_depth": cfg.read_threads, "submission": "every chunk of every object at once, "
-                          "in object order, on the read pool (no thread per object)"}
+                          "in object order (no thread per object)"}
     dst = "cudaMemcpyAsync H2D on a copy stream" if device.type == "cuda" else "host memcpy (no GPU)"
     staging = "pinned host RAM" if tier.pin else "pageable host RAM"
     if sources.get("read"):
         how = "O_DIRECT reads" if report.o_direct else "page-cache reads (O_DIRECT unavailable)"
-        report.mechanism = (f"{how} on {IO_ENGINE} ({cfg.read_threads} threads, {cfg.chunk_bytes >> 10} KiB "
-                            f"chunks) -> {staging} -> {dst}, chunked as reads land")
+        report.mechanism = (f"{how} through {engine.description}, {cfg.chunk_bytes >> 10} KiB chunks "
+                            f"-> {staging} -> {dst}, chunked as reads land")
     else:
         report.mechanism = f"host tier ({staging}, retained) -> {dst}, one copy per object"
     report.timings = {"read_s": (read_end - read_start) if read_end is not None else 0.0, "verify_s": verify_s,

@@ -39,7 +39,7 @@ import torch
 
 from kmesh_gpu.errors import BudgetExceeded, KmeshError
 
-from .direct_io import DirectFile, HostBuffer, ReadEngine, round_up
+from .direct_io import ENGINES, DirectFile, HostBuffer, ReadEngine, round_up
 from .segment import ModelFingerprint, SegmentHeader, check_fingerprint, check_payload
 from .singleflight import SingleFlight
 from .store import SegmentStore
@@ -57,7 +57,10 @@ class HostTierConfig:
         verify: host check of each loaded payload: ``"sha256"``, ``"tree"`` or ``"none"`` (use
             ``"none"`` only when the consumer verifies on the device, as the routes do).
         o_direct: read with O_DIRECT where the filesystem allows it.
-        read_threads, chunk_bytes: the read thread pool and its chunk size.
+        read_threads, chunk_bytes: reads in flight at once (the queue depth: io_uring entries or
+            reading threads) and their chunk size.
+        io_engine: ``"auto"`` (io_uring where the kernel offers it, else a thread pool),
+            ``"io_uring"`` or ``"threads"`` (see :class:`kmesh_host.direct_io.ReadEngine`).
         parallel_loads: threads running :meth:`HostTier.acquire_async` (objects loaded at once).
     """
 
@@ -70,12 +73,15 @@ class HostTierConfig:
     read_threads: int = 4
     chunk_bytes: int = 1 << 20
     parallel_loads: int = 4
+    io_engine: str = "auto"
 
     def __post_init__(self):
         if self.verify not in ("sha256", "tree", "none"):
             raise ValueError(f"verify: expected 'sha256', 'tree' or 'none', got {self.verify!r}")
         if self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes: expected a positive size, got {self.budget_bytes}")
+        if self.io_engine not in ENGINES:
+            raise ValueError(f"io_engine: expected one of {ENGINES}, got {self.io_engine!r}")
 
 
 class BufferPool:
@@ -245,7 +251,7 @@ class HostTier:
         self.config = config
         self.pin = torch.cuda.is_available() if config.pin is None else bool(config.pin)
         self.pool = BufferPool(config.budget_bytes, pin=self.pin, reclaim=self._reclaim)
-        self._engine = ReadEngine(config.read_threads, config.chunk_bytes)
+        self._engine = ReadEngine(config.read_threads, config.chunk_bytes, engine=config.io_engine)
         # Separate from the read pool: a load waits on its chunk reads there.
         self._loader = ThreadPoolExecutor(max(1, config.parallel_loads), thread_name_prefix="kmesh-load")
         self._flight = SingleFlight()
@@ -518,6 +524,11 @@ class HostTier:
     def resident(self) -> list[str]:
         with self._lock:
             return list(self._entries)
+
+    @property
+    def io_engine(self) -> ReadEngine:
+        """The reader (its ``engine``, ``engine_note`` and ``description`` say how reads are made)."""
+        return self._engine
 
     @property
     def resident_bytes(self) -> int:

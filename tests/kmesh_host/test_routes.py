@@ -14,6 +14,7 @@ import torch
 
 import kmesh_gpu
 import kmesh_host.routes as routes_mod
+from kmesh_host import uring
 from kmesh_host.direct_io import DirectFile
 from kmesh_gpu import KVLayout, RopeSpec
 from kmesh_gpu.errors import BackendError, StorageError
@@ -95,15 +96,22 @@ def reference_cache(segments, targets, layout, device, *, rope):
 
 # ------------------------------------------------------------------ host staging
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("verify", ["device", "device-batched", "host", "none"])
-def test_host_staging_bytes_are_exact(store, segments, device, verify):
-    tier = make_tier(store, device)
+@pytest.mark.parametrize("verify,engine", [("device", "io_uring"), ("device-batched", "auto"), ("host", "threads"),
+                                           ("none", "auto"), ("device", "threads")])
+def test_host_staging_bytes_are_exact(store, segments, device, verify, engine):
+    if engine == "io_uring" and not uring.available()[0]:  # required but absent: a typed refusal
+        with pytest.raises(StorageError, match="io_uring"):
+            make_tier(store, device, io_engine=engine)
+        engine = "auto"  # ... and "auto" reads on threads instead
+    tier = make_tier(store, device, io_engine=engine)
     result = restore_host_staging(store, [RestoreTarget(k) for k, _, _ in segments], model_fingerprint=FP,
                                   device=device, tier=tier, verify=verify)
     rep = result.report
     assert rep.route == "host_staging" and rep.objects == 3 and not rep.placed
     assert rep.tier_sources == {"read": 3} and rep.bytes_read == rep.bytes_moved > 0
-    assert rep.o_direct is True and "O_DIRECT reads" in rep.mechanism and rep.io_engine == "threads"
+    assert rep.o_direct is True and "O_DIRECT reads" in rep.mechanism
+    want = "io_uring" if engine != "threads" and uring.available()[0] else "threads"
+    assert rep.io_engine == tier.io_engine.engine == want
     assert rep.timings["restore_s"] >= rep.timings["read_s"] >= 0
     for (key, kv, pos), got, seg in zip(segments, result.kv, result.segments()):
         assert got.device.type == torch.device(device).type
@@ -498,9 +506,13 @@ def test_pipelined_reads_land_bit_exact_with_resident_objects_mixed_in(store, se
     tier.close()
 
 
-def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segments, monkeypatch):
+@pytest.mark.parametrize("engine", ["threads", "io_uring"])
+def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segments, monkeypatch, engine):
     """One object's second chunk fails while the other objects' reads go on: the error reaches the
-    caller, the cache is untouched, every lease is released and the good objects stay resident."""
+    caller, the cache is untouched, every lease is released and the good objects stay resident.
+    io_uring: the kernel's read fails (a bad descriptor), the synchronous retry fails too."""
+    if engine == "io_uring" and not uring.available()[0]:
+        engine = "threads"  # the io_uring engine is refused there (test_host_staging_bytes_are_exact)
     bad_path = store.local_path(segments[2][0])
     real_read = DirectFile.pread_into
 
@@ -510,16 +522,37 @@ def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segment
         return real_read(self, view, offset)
 
     monkeypatch.setattr(DirectFile, "pread_into", failing)
+    if engine == "io_uring":
+        from kmesh_host.direct_io import ReadEngine
+
+        real_chunk = ReadEngine._read
+
+        class BadFile:  # the kernel gets a closed descriptor; the retry reads through `failing`
+            def __init__(self, f):
+                self.path, self.size, self._f = f.path, f.size, f
+
+            def fileno(self):
+                return -1
+
+            def pread_into(self, view, offset):
+                return failing(self._f, view, offset)
+
+        def chunk(self, file, buffer, base, a, b, file_offset, done):
+            if file.path == bad_path and file_offset >= 8192:
+                file = BadFile(file)
+            return real_chunk(self, file, buffer, base, a, b, file_offset, done)
+
+        monkeypatch.setattr(ReadEngine, "_read", chunk)
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     before = cache.clone()
-    tier = make_tier(store, "cpu", retain=True, read_threads=2, chunk_bytes=4096)
+    tier = make_tier(store, "cpu", retain=True, read_threads=2, chunk_bytes=4096, io_engine=engine)
     with pytest.raises(StorageError, match="injected"):
         restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                              layout=layout, rope=ROPE)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
     assert tier.in_flight() == 0 and segments[2][0] not in tier
     assert tier.pool.in_use_bytes == tier.resident_bytes  # no lease left behind
-    monkeypatch.setattr(DirectFile, "pread_into", real_read)
+    monkeypatch.undo()
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.placed and result.report.tier_sources.get("read") == 1

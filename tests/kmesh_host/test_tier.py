@@ -396,7 +396,7 @@ def test_o_direct_refused_at_read_falls_back(tmp_path, monkeypatch):
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", refusing)
-    with DirectFile(path) as f, ReadEngine(1, 16384) as engine, HostBuffer(16384) as buf:
+    with DirectFile(path) as f, ReadEngine(1, 16384, engine="threads") as engine, HostBuffer(16384) as buf:
         assert bytes(engine.read(f, 0, 9000, buf.view)) == data
         assert state["refused"] == 1 and not f.o_direct and "read" in f.fallback_reason
 
@@ -499,7 +499,7 @@ def test_start_loads_failure_of_one_object_spares_the_others(store, keys, monkey
         return real(self, view, offset)
 
     monkeypatch.setattr(DirectFile, "pread_into", failing)
-    tier = tier_for(store, singleflight=True)
+    tier = tier_for(store, singleflight=True, io_engine="threads")  # io_uring: tests/kmesh_host/test_read_engine.py
     col = Collector(len(keys))
     tier.start_loads(keys, model_fingerprint=FP, on_chunk=col.on_chunk, on_done=col.on_done)
     done = col.wait()
@@ -514,7 +514,7 @@ def test_start_loads_failure_of_one_object_spares_the_others(store, keys, monkey
 
 
 def test_start_loads_joins_a_load_in_flight(store, keys, monkeypatch):
-    tier = tier_for(store, singleflight=True)
+    tier = tier_for(store, singleflight=True, io_engine="threads")  # the gate holds a reading thread
     gate, entered = threading.Event(), threading.Event()
     real = DirectFile.pread_into
 
