@@ -568,3 +568,39 @@ def test_forced_reads_reuse_the_pooled_buffers(store, segments):
         assert result.report.tier_sources == {"read": 3}
     assert tier.stats["reads"] == 12 and tier.pool.allocations == 3  # never allocated (or pinned) again
     tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trust", [True, False])
+def test_resident_child_runs_on_the_callers_stream(store, segments, trust):
+    """Every object resident: copies, digests (when not trusted) and placement follow one another on
+    the caller's current stream (here a side stream); the cache equals the in-memory path, and a
+    resident payload corrupted in RAM is caught when re-verified, with nothing placed."""
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    tier = make_tier(store, "cuda", retain=True)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                         layout=layout, rope=ROPE)
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        cache = layout.allocate("cuda", fill=0x7F)
+        with torch.cuda.stream(side):
+            result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier,
+                                          cache=cache, layout=layout, rope=ROPE, trust_verified=trust)
+        assert result.report.tier_sources == {"hit": 3} and result.report.placed
+        assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+        counts = result.report.verified
+        if trust:  # checked on the device when first read (the first restore above)
+            assert len(counts) == 1 and next(iter(counts)).startswith("trusted: ") and sum(counts.values()) == 3
+        else:
+            assert counts == {"device kmesh-tree-sha256 root (this call)": 3}
+    lease = tier.acquire_resident(segments[1][0], model_fingerprint=FP)
+    lease.payload[100] ^= 0x10  # a bit flips in RAM
+    lease.release()
+    cache = layout.allocate("cuda", fill=0x7F)
+    before = cache.clone()
+    with pytest.raises(IntegrityError, match=segments[1][0]):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE, trust_verified=False)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    tier.close()
