@@ -1,12 +1,13 @@
 """Storage routes into GPU memory: ``host_staging`` and ``direct``, each ending verified and placed.
 
-``host_staging``: segment file --O_DIRECT reads on a thread pool--> pinned host buffer (the host
+``host_staging``: segment file --O_DIRECT reads (io_uring, or a thread pool)--> pinned host buffer (the host
 tier's, pooled: released buffers are reused, never pinned again) --async H2D on a copy stream,
 chunk by chunk as the reads land--> device buffer. Every chunk of every missing object is queued
-on the read pool at once, in object order (``HostTier.start_loads``: no thread per object), so the
-pool keeps its queue depth from the first chunk to the last. When an object's last chunk is
-copied, its tree digest is launched on a side stream that waits for the copy's event (a
-device-side wait, not a host one), while the reads of later objects continue; objects that land
+on the reader at once, in object order (``HostTier.start_loads``: no thread per object), so the
+reader keeps its queue depth from the first chunk to the last. When an object's last chunk is
+copied, the thread that copied it launches the object's tree digest on a side stream that waits
+for the copy's event (a device-side wait, not a host one), while the reads of later objects
+continue; objects that land
 together hash concurrently on separate side streams. With the tier's retention a resident
 segment skips the read and is copied from RAM in one H2D per object, issued before anything else
 so the DMA overlaps the placement preparation; it was verified when it
@@ -35,7 +36,8 @@ the bytes are still moving: it needs the objects' device addresses, not their by
 Streams: copies run on a copy stream; digests, the root comparison and placement on a work
 stream. Both start after the caller's current stream's earlier work, and before the call returns
 (also on failure) the caller's current stream waits for both, so later work on it sees the placed
-cache and buffers it frees are no longer in use.
+cache and buffers it frees are no longer in use. A child whose objects are all resident has
+nothing to overlap: its copies, digests and placement run in order on the caller's stream.
 """
 
 from __future__ import annotations
@@ -558,6 +560,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     pending = 0  # loads started whose "done" event has not been taken yet
     stopped = []  # set when this call gives up: reading threads copy no further chunks
     streams = verifier = None
+    land_lock = threading.Lock()  # verifier, streams and report bookkeeping: one landing at a time
     read_start = read_end = None
     prepare_s, sources, o_direct_flags, io_notes = 0.0, {}, set(), set()
     landed = [None] * n  # seconds from the call's start to each read object's load completing
@@ -587,12 +590,38 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             resident_event = streams.copied()  # one event fences every resident buffer
             for i in resident:
                 leases[i].fence(resident_event)
-        # 2. Missing objects: every chunk of every one is queued on the tier's read pool now, in
-        # order; the reading thread that lands a chunk issues its async H2D copy on the copy stream
-        # itself (the tier reports an object done only after all its chunk callbacks returned), and
-        # this thread turns each finished object into a digest launch, while the other reads go on.
+        # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
+        # the thread that lands a chunk issues its async H2D copy on the copy stream itself, and the
+        # thread that finishes an object (the tier reports it done after all its chunk callbacks
+        # returned) launches its digest at once (`land`), while the other reads go on: no hop to
+        # this thread sits between an object's last byte and its digest.
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+        failures: list = []
         missing = [i for i in range(n) if leases[i] is None]
         read_start = time.perf_counter()
+
+        def land(i: int, lease, when: float) -> None:
+            """Object ``i``'s load finished (lock held): fence, then its digest after its copies."""
+            nonlocal read_end
+            header, off = headers[i], offsets[i]
+            if lease.header.sha256 != header.sha256:
+                raise IntegrityError(f"segment {targets[i].key}: changed on storage during the restore")
+            sources[lease.source] = sources.get(lease.source, 0) + 1
+            landed[i] = when - t0
+            if lease.source == "read":
+                read_end = when if read_end is None else max(read_end, when)
+                report.bytes_read += header.padded_length
+                o_direct_flags.add(lease.o_direct)
+                if lease.io_note:
+                    io_notes.add(lease.io_note)
+                event = streams.copied()  # after every chunk copy issued so far, this object's included
+                lease.fence(event)
+            else:  # read by a concurrent call (joined) or resident by now: one copy of the whole
+                event = _copy_whole(buffer, off, lease, streams)
+            report.bytes_moved += header.padded_length
+            streams.work_after(event)
+            verifier.landed(off, header, lease=lease, event=event)
+
         if missing:
             pending = len(missing)
 
@@ -604,12 +633,22 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
 
             def on_done(j, lease, error):
-                events.put(("done", missing[j], lease, error, time.perf_counter()))
+                when = time.perf_counter()
+                i = missing[j]
+                with land_lock:
+                    if error is not None:
+                        failures.append(error)
+                        stopped.append(True)
+                    elif not stopped and not failures:
+                        try:
+                            land(i, lease, when)
+                        except BaseException as exc:
+                            failures.append(exc)
+                events.put((i, lease, error))
 
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
                              headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
-        # 3. While the bytes move: the verifier and the placement (validation and launch tables).
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+        # 3. While the bytes move: the placement (validation and launch tables).
         kvs = _kv_views(buffer, headers, offsets)
         placement = None
         if cache is not None:
@@ -618,45 +657,19 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                                    backend=backend, streams=streams)
             prepare_s = time.perf_counter() - tp
         if resident:
-            # Digests and placement read the resident objects only after their copies.
-            streams.work_after(resident_event)
-            for i in resident:
-                sources["hit"] = sources.get("hit", 0) + 1
-                report.bytes_moved += headers[i].padded_length
-                verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
-        failure = None
-        while pending:
-            _, i, item, a, b = events.get()
-            header, off = headers[i], offsets[i]
+            with land_lock:
+                # Digests and placement read the resident objects only after their copies.
+                streams.work_after(resident_event)
+                for i in resident:
+                    sources["hit"] = sources.get("hit", 0) + 1
+                    report.bytes_moved += headers[i].padded_length
+                    verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
+        while pending:  # every load's lease, so that each is released whatever happened
+            i, lease, error = events.get()
             pending -= 1
-            lease, error, when = item, a, b
-            if error is not None:
-                failure = failure or error
-                stopped.append(True)
-                continue
-            leases[i] = lease
-            if failure is not None:
-                continue
-            try:
-                if lease.header.sha256 != header.sha256:
-                    raise IntegrityError(f"segment {targets[i].key}: changed on storage during the restore")
-                sources[lease.source] = sources.get(lease.source, 0) + 1
-                landed[i] = when - t0
-                if lease.source == "read":
-                    read_end = when if read_end is None else max(read_end, when)
-                    report.bytes_read += header.padded_length
-                    o_direct_flags.add(lease.o_direct)
-                    if lease.io_note:
-                        io_notes.add(lease.io_note)
-                    event = streams.copied()
-                    lease.fence(event)
-                else:  # read by a concurrent call (joined) or resident by now: one copy of the whole
-                    event = _copy_whole(buffer, off, lease, streams)
-                report.bytes_moved += header.padded_length
-                streams.work_after(event)
-                verifier.landed(off, header, lease=lease, event=event)
-            except BaseException as exc:
-                failure = exc
+            if error is None:
+                leases[i] = lease
+        failure = failures[0] if failures else None
         if failure is not None:
             raise failure
         verify_s, bad = verifier.finish()
@@ -672,16 +685,17 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         streams.join()
         streams.sync()
     finally:
-        stopped.append(True)
+        with land_lock:  # no landing runs past this point: later ones see `stopped`
+            stopped.append(True)
         if streams is not None:
             streams.join()
         # Loads still in flight after an early error: take their leases so every one is released.
         drained = bool(pending)
         while pending:
-            _, i, item, error, _ = events.get()
+            i, lease, error = events.get()
             pending -= 1
             if error is None:
-                leases[i] = item
+                leases[i] = lease
         if drained and streams is not None and streams.copy is not None:
             # chunk copies issued by reading threads before they saw `stopped`: the caller's stream
             # (which frees `buffer`) waits for them too
