@@ -36,8 +36,8 @@ the bytes are still moving: it needs the objects' device addresses, not their by
 Streams: copies run on a copy stream; digests, the root comparison and placement on a work
 stream. Both start after the caller's current stream's earlier work, and before the call returns
 (also on failure) the caller's current stream waits for both, so later work on it sees the placed
-cache and buffers it frees are no longer in use. A child whose objects are all resident has
-nothing to overlap: its copies, digests and placement run in order on the caller's stream.
+cache and buffers it frees are no longer in use. A child whose objects are all resident and
+trusted has nothing to overlap: its copies and placement run in order on the caller's stream.
 """
 
 from __future__ import annotations
@@ -308,9 +308,9 @@ class _Streams:
 
 class _CallerStream:
     """:class:`_Streams`' interface with every step on the caller's current stream, for a restore
-    with nothing to read (every object resident in the host tier): there are no reads to overlap,
-    so the copies, any digests and the placement simply follow one another on one stream, and no
-    event, cross-stream wait or stream switch is spent on arranging an overlap."""
+    with nothing to read or hash (every object resident in the host tier and trusted): there is
+    nothing to overlap, so the copies and the placement simply follow one another on one stream,
+    and no event, cross-stream wait or stream switch is spent on arranging an overlap."""
 
     copy = work = caller = None
     _NULL = contextlib.nullcontext()
@@ -577,8 +577,11 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             _check_placement(targets, headers, rope)
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        all_resident = all(lease is not None for lease in leases)
-        streams = _CallerStream(device) if all_resident and device.type == "cuda" else _Streams(device)
+        # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
+        # digests of several objects run side by side on separate streams, so they keep _Streams
+        lean = device.type == "cuda" and all(
+            lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
+        streams = _CallerStream(device) if lean else _Streams(device)
         # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
         resident = [i for i in range(n) if leases[i] is not None]
         resident_event = None

@@ -573,9 +573,10 @@ def test_forced_reads_reuse_the_pooled_buffers(store, segments):
 @pytest.mark.gpu
 @pytest.mark.parametrize("trust", [True, False])
 def test_resident_child_runs_on_the_callers_stream(store, segments, trust):
-    """Every object resident: copies, digests (when not trusted) and placement follow one another on
-    the caller's current stream (here a side stream); the cache equals the in-memory path, and a
-    resident payload corrupted in RAM is caught when re-verified, with nothing placed."""
+    """Every object resident: trusted, the copies and placement follow one another on the caller's
+    current stream (here a side stream); re-verified, on the route's streams. The cache equals the
+    in-memory path either way, and a resident payload corrupted in RAM is caught when re-verified,
+    with nothing placed."""
     layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
     tier = make_tier(store, "cuda", retain=True)
     restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
