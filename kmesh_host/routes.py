@@ -521,6 +521,14 @@ def _check_targets(targets) -> list[RestoreTarget]:
 
 
 # ----------------------------------------------------------------------------------- host staging
+TRACE: list | None = None  # tools set a list: restore_host_staging appends (step, perf_counter()) to it
+
+
+def _stamp(step: str) -> None:
+    if TRACE is not None:
+        TRACE.append((step, time.perf_counter()))
+
+
 def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: ModelFingerprint, device="cuda",
                          tier: HostTier | None = None, cache=None, layout=None, rope=None, k_scale=None,
                          verify: str = "device", trust_verified: bool = True, backend: str = "auto",
@@ -551,6 +559,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         tier = HostTier(store, HostTierConfig(retain=False, singleflight=False, verify="none",
                                               pin=device.type == "cuda"))
     t0 = time.perf_counter()
+    _stamp("start")
     n = len(targets)
     leases: list = [None] * n
     engine = tier.io_engine
@@ -591,6 +600,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     payload = leases[i].payload
                     buffer[offsets[i]: offsets[i] + payload.numel()].copy_(payload, non_blocking=True)
             resident_event = streams.copied()  # one event fences every resident buffer
+            _stamp("resident copies issued")
             for i in resident:
                 leases[i].fence(resident_event)
         # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
@@ -659,6 +669,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
                                    backend=backend, streams=streams)
             prepare_s = time.perf_counter() - tp
+            _stamp("placement prepared")
         if resident:
             with land_lock:
                 # Digests and placement read the resident objects only after their copies.
@@ -676,6 +687,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if failure is not None:
             raise failure
         verify_s, bad = verifier.finish()
+        _stamp("roots compared")
         if bad:
             for key in bad:
                 tier.evict(key)  # retention must not keep bytes that failed their check
@@ -684,9 +696,11 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         result = RestoreResult(report, buffer, offsets, headers, kvs)
         if placement is not None:
             placement.run()
+            _stamp("placement launched")
             report.placed = True
         streams.join()
         streams.sync()
+        _stamp("synced")
     finally:
         with land_lock:  # no landing runs past this point: later ones see `stopped`
             stopped.append(True)
@@ -709,6 +723,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if own_tier:
             tier.close()
     end = time.perf_counter()
+    _stamp("end")
     report.objects = n
     report.tier_sources = sources
     report.pinned = tier.pin

@@ -1,6 +1,7 @@
 """Where a host-tier restore (12 MiB child from retained pinned RAM, placed with the RoPE shift)
-spends its time: wall per child, then cProfile of 40 children (top functions by own and cumulative
-time), then a CUDA-event view of the device side of one child.
+spends its time: wall per child, the route's own step stamps (``routes.TRACE``), then cProfile of 40
+children (top functions by own and cumulative time), then a CUDA-event view of the device side of
+one child.
 
 On a machine without a GPU, ``--device cpu --skip-kernel`` measures the host path alone: the
 placement launch (the Warp kernel running on the CPU there) is skipped, and the host memcpy that
@@ -80,6 +81,20 @@ def main() -> None:
                 cp = statistics.median(cps)
                 lines.append(f"host memcpy of the child's bytes: median {cp:.3f} ms; restore wall minus memcpy: "
                              f"{statistics.median(walls) - cp:.3f} ms")
+            # where the host time goes: the route's own step stamps, medians of 40 children
+            from kmesh_host import routes as routes_mod
+
+            routes_mod.TRACE = trace = []
+            steps: dict[str, list[float]] = {}
+            for c in range(40):
+                trace.clear()
+                work.child("host_staging", c % 4, tier, verify="device", evict=False)
+                for (_, a), (name, b) in zip(trace, trace[1:]):
+                    steps.setdefault(name, []).append((b - a) * 1e3)
+            routes_mod.TRACE = None
+            lines.append("host-tier restore steps (ms since the previous stamp, medians of 40 children):")
+            for name, vals in steps.items():
+                lines.append(f"  -> {name:<28} {statistics.median(vals):.3f}")
             prof = cProfile.Profile()
             prof.enable()
             for c in range(40):
