@@ -1,4 +1,4 @@
-"""Kernel launches straight through the CUDA driver (``cuLaunchKernel`` via ctypes).
+"""Kernel launches and host-to-device copies straight through the CUDA driver (ctypes).
 
 A CuPy ``Function`` call converts every argument to a C value on each launch; with twenty
 arguments that is tens of microseconds of host time on the GPU machine, more than the placement
@@ -20,20 +20,37 @@ import threading
 
 import numpy as np
 
-_DRIVER: list = []  # [cuLaunchKernel or None], resolved once
+_DRIVER: list = []  # [(cuLaunchKernel, cuMemcpyHtoDAsync_v2) or (None, None)], resolved once
+
+
+def _functions() -> tuple:
+    if not _DRIVER:
+        fns = (None, None)
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            launch_fn, copy_fn = lib.cuLaunchKernel, lib.cuMemcpyHtoDAsync_v2
+            launch_fn.restype = copy_fn.restype = ctypes.c_int
+            launch_fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            copy_fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fns = (launch_fn, copy_fn)
+        except (OSError, AttributeError):
+            pass
+        _DRIVER.append(fns)
+    return _DRIVER[0]
 
 
 def _driver():
-    if not _DRIVER:
-        fn = None
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        except (OSError, AttributeError):
-            fn = None
-        _DRIVER.append(fn)
-    return _DRIVER[0]
+    return _functions()[0]
+
+
+def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
+    """``cuMemcpyHtoDAsync``: ``nbytes`` from host address ``src`` (page-locked, or the copy is not
+    asynchronous) to device address ``dst`` on the raw stream ``stream``; ``True`` once the driver
+    accepted it (``False``: nothing was queued, and the caller copies another way)."""
+    fn = _functions()[1] if ENABLED else None
+    if fn is None:
+        return False
+    return fn(dst, src, nbytes, stream) == 0
 
 
 class _Slots(threading.local):

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 import kmesh_gpu
+from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import prepare_place_many
 
@@ -199,6 +200,12 @@ def _ids(stream) -> tuple:
     return stream.stream_id, stream.device_index, stream.device_type
 
 
+def _raw_stream_slow(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's current stream of a device as a raw handle, without building a Stream object
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream_slow
 _THREAD = threading.local()  # per thread and device: the copy and work streams, and digest side streams
 
 
@@ -305,6 +312,10 @@ class _Streams:
         if self.caller is not None:
             self.caller.synchronize()
 
+    def copy_handle(self) -> int | None:
+        """The raw handle of the copy stream (``None`` on the CPU)."""
+        return self.copy.cuda_stream if self.copy is not None else None
+
 
 class _CallerStream:
     """:class:`_Streams`' interface with every step on the caller's current stream, for a restore
@@ -342,6 +353,11 @@ class _CallerStream:
 
     def sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+    def copy_handle(self) -> int:
+        """The raw handle of the stream copies go on (the caller's)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return _raw_stream(index)
 
 
 def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
@@ -595,10 +611,16 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         resident = [i for i in range(n) if leases[i] is not None]
         resident_event = None
         if resident:
+            handle = streams.copy_handle()
+            base = buffer.data_ptr()
             with streams.on_copy():
                 for i in resident:
-                    payload = leases[i].payload
-                    buffer[offsets[i]: offsets[i] + payload.numel()].copy_(payload, non_blocking=True)
+                    # pinned payloads: one driver call per copy (torch's copy_ costs several times more)
+                    addr, pinned = leases[i].payload_memory()
+                    nbytes = headers[i].padded_length
+                    if not (pinned and handle is not None and _driver.copy_htod(base + offsets[i], addr, nbytes,
+                                                                                 handle)):
+                        buffer[offsets[i]: offsets[i] + nbytes].copy_(leases[i].payload, non_blocking=True)
             resident_event = streams.copied()  # one event fences every resident buffer
             _stamp("resident copies issued")
             for i in resident:

@@ -207,6 +207,13 @@ class HostLease:
     def kv(self) -> torch.Tensor:
         return self.header.kv_view(self.payload)
 
+    def payload_memory(self) -> tuple[int, bool]:
+        """``(address, pinned)`` of ``payload``'s first byte: for copies issued below torch."""
+        entry = self._entry
+        if entry is None:
+            raise KmeshError(f"segment {self.key}: lease already released")
+        return entry.buffer.address + entry.lead, entry.buffer.pinned
+
     @property
     def verified(self) -> str | None:
         """How the payload was checked against its stored digests (``None``: not checked yet)."""

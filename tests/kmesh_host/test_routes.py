@@ -351,6 +351,9 @@ class RecordingStreams:
     def sync(self):
         pass
 
+    def copy_handle(self):
+        return None  # no CUDA stream: the route copies with torch
+
 
 @pytest.fixture
 def recorded(monkeypatch):
