@@ -62,6 +62,7 @@ from kmesh_gpu import KVLayout, RopeSpec  # noqa: E402
 from kmesh_gpu.errors import BackendError, StorageError  # noqa: E402
 from kmesh_host import HostTier, HostTierConfig, ModelFingerprint, RestoreTarget, SegmentStore, restore  # noqa: E402
 from kmesh_host.direct_io import ENGINES, DirectFile, HostBuffer, ReadEngine, file_o_direct_support  # noqa: E402
+from kmesh_host import routes as routes_mod  # noqa: E402
 from kmesh_host.routes import direct_facts  # noqa: E402
 
 MIB = 1 << 20
@@ -321,8 +322,17 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
     for c in range(2):
         work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                    trust_verified=trust_verified)
-    runs = [work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
-                       trust_verified=trust_verified) for c in range(HIT_CHILDREN)]
+    routes_mod.TRACE = trace = []  # the route's step stamps: where each child's host time goes
+    runs, steps = [], {}
+    try:
+        for c in range(HIT_CHILDREN):
+            trace.clear()
+            runs.append(work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
+                                   trust_verified=trust_verified))
+            for (_, a), (name, b) in zip(trace, trace[1:]):
+                steps.setdefault(name, []).append(b - a)
+    finally:
+        routes_mod.TRACE = None
     assert all(r["report"].tier_sources == {"hit": args.objects} for r in runs)
     med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
     med["mechanism"] = runs[-1]["report"].mechanism
@@ -330,6 +340,7 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
     med["trust_verified"] = trust_verified
     med["nested_violations"] = sum(not r["nested"] for r in runs)
     med["runs"] = len(runs)
+    med["steps_s"] = {name: statistics.median(v) for name, v in steps.items()}
     return med
 
 
@@ -421,6 +432,8 @@ def print_table(res: dict) -> None:
         print(f"Host tier (retained pinned RAM, {label}): restore {fmt_ms(ht['restore_s']).strip()} ms per child, "
               f"{ht['restore_GB_per_s']:.2f} GB/s{extra}; placement preparation "
               f"{fmt_ms(ht['prepare_s']).strip()} ms inside it")
+        print("  steps (ms since the previous one, medians): "
+              + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ht["steps_s"].items()))
     ro = res["read_once"]
     reads = sorted(set(ro["reads_per_object"].values()))
     print(f"Read once: {ro['children']} children served {ro['bytes_served'] / MIB:.0f} MiB; the shared source "
