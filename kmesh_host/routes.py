@@ -579,8 +579,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     n = len(targets)
     leases: list = [None] * n
     engine = tier.io_engine
-    report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
-                         notes=[f"reads: {engine.description}"])
     events: queue.SimpleQueue = queue.SimpleQueue()
     pending = 0  # loads started whose "done" event has not been taken yet
     stopped = []  # set when this call gives up: reading threads copy no further chunks
@@ -598,10 +596,10 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         for lease, h in zip(leases, headers):
             if lease is None:  # resident ones were checked when leased
                 check_fingerprint(h, model_fingerprint)
-        if cache is not None:
-            _check_placement(targets, headers, rope)
+        _stamp("leased")
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        _stamp("buffer allocated")
         # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
         # digests of several objects run side by side on separate streams, so they keep _Streams
         lean = device.type == "cuda" and all(
@@ -625,6 +623,11 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             _stamp("resident copies issued")
             for i in resident:
                 leases[i].fence(resident_event)
+        # (checks that need no data come after the copies: the DMA is running meanwhile)
+        report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
+                             notes=[f"reads: {engine.description}"])
+        if cache is not None:
+            _check_placement(targets, headers, rope)
         # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
         # the thread that lands a chunk issues its async H2D copy on the copy stream itself, and the
         # thread that finishes an object (the tier reports it done after all its chunk callbacks
