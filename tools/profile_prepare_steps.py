@@ -1,0 +1,97 @@
+"""Cost of each host step of the placement fast path (``place._fast_prepare`` with the compiled run
+builder), timed one by one in loops on the restore shape of tools/profile_place_prepare.py (4 items
+x 256 tokens, host int64 indices, RoPE shift, NHD cache): where a prepare's microseconds go on this
+machine, CUDA calls included.
+
+Usage: PYTHONPATH=. python tools/profile_prepare_steps.py [--device cuda] [--repeat 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import importlib
+import sys
+from pathlib import Path
+
+from kmesh_gpu import RopeSpec, _host_tables
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_place_prepare as ppp  # noqa: E402
+
+place_mod = importlib.import_module("kmesh_gpu.place")
+
+
+def timed(fn, repeat: int) -> float:
+    for _ in range(50):
+        fn()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t) / repeat * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeat", type=int, default=2000)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if not cuda:
+        from kmesh_gpu import _backend
+
+        _backend.choose = lambda b, d: "cupy"
+    rope = RopeSpec(ppp.D, ppp.D, 1e6, True, 32768, torch.bfloat16)
+    layout, kvs, slots, olds, news = ppp.restore_batch(dev)
+    cache = layout.allocate(dev, fill=0)
+    T = sum(k.shape[2] for k in kvs)
+    L = layout.num_layers
+    f = place_mod._facts(cache, layout, rope, "cache")
+    host = torch.empty(L + 2 * T + 7 * T, dtype=torch.int64, pin_memory=cuda)
+    h = host.numpy()
+    sl = torch.cat(slots).numpy()
+    counts = tuple(k.shape[2] for k in kvs)
+    ptrs = [k.data_ptr() for k in kvs]
+    build = _host_tables.builder()
+    starts = place_mod._token_index(counts, f.row)[0]
+    params = np.array([f.row, f.N, f.cap[1], f.S, f.P, f.st[1], f.st[3], layout.k_offset, f.vt[1], f.vt[3],
+                       layout.v_offset], dtype=np.int64)
+    pos = h[L:L + 2 * T]
+    torch.cat(list(olds) + list(news), out=host[L:L + 2 * T])
+    out = h[L + 2 * T:].reshape(T, 7)
+    R = build(sl, starts, place_mod._i64(ptrs), params, True, pos, out)
+    n_up = L + 2 * T + 7 * R
+    steps = {
+        "whole prepare_place_many": lambda: place_mod.prepare_place_many(
+            kvs, cache, layout, slots, rope=rope, old_positions=olds, new_positions=news),
+        "_check_args": lambda: place_mod._check_args(layout, rope, olds, news),
+        "_facts lookup": lambda: place_mod._facts(cache, layout, rope, "cache"),
+        "_backend.choose": lambda: place_mod._backend.choose("auto", f.device),
+        "kv checks (4 items)": lambda: [(k.shape, k.dtype, k.device != f.device, k.is_contiguous(), k.data_ptr())
+                                        for k in kvs],
+        "_host_ints x3": lambda: (place_mod._host_ints(slots, list(counts)), place_mod._host_ints(olds, list(counts)),
+                                  place_mod._host_ints(news, list(counts))),
+        "torch.cat(slots).numpy()": lambda: torch.cat(slots).numpy(),
+        "torch.empty pinned": lambda: torch.empty(L + 9 * T, dtype=torch.int64, pin_memory=cuda),
+        "host.numpy()": lambda: host.numpy(),
+        "h[:L] = layer_base": lambda: h.__setitem__(slice(0, L), f.layer_base),
+        "torch.cat(positions, out=)": lambda: torch.cat(list(olds) + list(news), out=host[L:L + 2 * T]),
+        "_i64(ptrs)": lambda: place_mod._i64(ptrs),
+        "compiled build": lambda: build(sl, starts, place_mod._i64(ptrs), params, True, pos, out),
+        "upload .to(device)": lambda: host[:n_up].to(dev, non_blocking=True),
+    }
+    print(f"placement fast-path steps on {args.device} ({len(kvs)} items x {kvs[0].shape[2]} tokens, R={R} runs), "
+          f"us per call, {args.repeat} calls each:")
+    for name, fn in steps.items():
+        print(f"  {name:<30} {timed(fn, args.repeat):8.2f}")
+        if cuda:
+            torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
