@@ -61,6 +61,8 @@ class Registration:
     #: the cache's device; CUDA memory: requests carry the client's interprocess event
     device: torch.device = field(init=False, repr=False)
     is_cuda: bool = field(init=False, repr=False)
+    #: ``device.index``: an int is the cheapest way to name the device to torch.cuda calls
+    device_index: int | None = field(init=False, repr=False)
     #: ``secret`` as raw bytes for binary requests (``None``: not hex, so no service accepts it)
     secret_bytes: bytes | None = field(init=False, repr=False)
 
@@ -68,6 +70,7 @@ class Registration:
         # looked up once: every restore needs both, and a tensor's device is not free to ask for
         self.device = self.cache.device
         self.is_cuda = self.device.type == "cuda"
+        self.device_index = self.device.index
         try:
             self.secret_bytes = bytes.fromhex(self.secret)
         except (TypeError, ValueError):
@@ -84,6 +87,7 @@ def _ints(name: str, values) -> list[int]:
 
 
 _I8 = np.dtype("<i8")
+_TENSOR, _TORCH_I8 = torch.Tensor, torch.int64
 
 
 def _int64(name: str, values) -> np.ndarray:
@@ -228,7 +232,7 @@ class CacheClient:
         work; returns its IPC handle (64 bytes). Created once: opening an IPC event costs the service far
         more than a record costs here. Called with ``_lock`` held."""
         entry = self._events.get(reg.reg_id)
-        stream = torch.cuda.current_stream(reg.device)
+        stream = torch.cuda.current_stream(reg.device_index)
         if entry is None:
             event = torch.cuda.Event(interprocess=True)
             event.record(stream)  # first record creates it on the cache's device, then the handle
@@ -324,16 +328,26 @@ class CacheClient:
                 key, slots, new_positions = it.key, it.slots, it.new_positions
             if type(key) is not str:
                 raise ProtocolError(f"items[{i}].key: expected str, got {type(key).__name__}")
-            s = _int64("slots", slots)
+            # what a model runner holds (contiguous int64 CPU tensors) is viewed here, the rest
+            # converted by _int64
+            if type(slots) is _TENSOR and slots.dtype is _TORCH_I8 and slots.dim() == 1 and slots.is_cpu \
+                    and slots.is_contiguous():
+                s = slots.numpy()
+            else:
+                s = _int64("slots", slots)
             keys.append(key)
             arrays.append(s)
-            slot_counts.append(s.shape[0])
+            slot_counts.append(len(s))
             if new_positions is None:
                 position_counts.append(None)
             else:
-                p = _int64("new_positions", new_positions)
+                if type(new_positions) is _TENSOR and new_positions.dtype is _TORCH_I8 and new_positions.dim() == 1 \
+                        and new_positions.is_cpu and new_positions.is_contiguous():
+                    p = new_positions.numpy()
+                else:
+                    p = _int64("new_positions", new_positions)
                 shifts.append(p)
-                position_counts.append(p.shape[0])
+                position_counts.append(len(p))
         arrays += shifts  # the body: every item's slots, then the shifted items' new positions
         signature = (tuple(keys), tuple(slot_counts), tuple(position_counts))
         encoded = self._items.get(signature)

@@ -132,19 +132,20 @@ def spin_default(spin_s: float | None, auto_s: float) -> float:
     return auto_s if len(os.sched_getaffinity(0)) >= MIN_CPUS_TO_SPIN else 0.0
 
 
-def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_while=None) -> int:
+def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_while=None, flags: int = 0) -> int:
     """Poll for the first bytes of ``view`` without sleeping for up to ``spin_s`` seconds.
 
     Returns the byte count read (0: end of stream) or -1 when nothing came in time. A thread asleep
     in ``recv`` wakes well after the data arrives (scheduler and idle-state exit latency), which a
-    sub-millisecond request cannot afford. The caller has made ``sock`` non-blocking. Each empty
-    poll yields the CPU, so that on a busy core the peer that is to answer runs first; polling
-    also stops as soon as ``spin_while()`` (when given) is false.
+    sub-millisecond request cannot afford. The caller has made ``sock`` non-blocking, or passes
+    ``MSG_DONTWAIT`` in ``flags``. Each empty poll yields the CPU, so that on a busy core the peer
+    that is to answer runs first; polling also stops as soon as ``spin_while()`` (when given) is false.
     """
     deadline = time.monotonic() + spin_s
+    n = len(view)
     while True:
         try:
-            return sock.recv_into(view, len(view))
+            return sock.recv_into(view, n, flags)
         except (BlockingIOError, InterruptedError):
             if time.monotonic() >= deadline or (spin_while is not None and not spin_while()):
                 return -1
@@ -171,9 +172,14 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     k = -1
     try:
         if spin_s > 0:
-            sock.settimeout(0.0)  # non-blocking: recv_into returns at once instead of polling first
-            current = 0.0
-            k = _recv_spinning(sock, pview, spin_s, spin_while)
+            if idle_timeout is None:
+                # a blocking socket (the service's) reads without polling first: MSG_DONTWAIT alone
+                # makes each read return at once, with no switch of the socket's mode and back
+                k = _recv_spinning(sock, pview, spin_s, spin_while, socket.MSG_DONTWAIT)
+            else:
+                sock.settimeout(0.0)  # non-blocking: recv_into returns at once instead of polling first
+                current = 0.0
+                k = _recv_spinning(sock, pview, spin_s, spin_while)
         if k < 0:
             if current != idle_timeout:
                 sock.settimeout(idle_timeout)
@@ -252,13 +258,11 @@ def send_message(sock: socket.socket, header: dict, body: bytes | bytearray | me
 
 
 def send_parts(sock: socket.socket, parts: list) -> None:
-    """Send a frame given as buffers (``bytes``, memoryviews or C-contiguous arrays: prefix and
-    header, then arrays) with one ``sendmsg`` in the common case, without joining them first."""
+    """Send a frame given as buffers (``bytes``, memoryviews or C-contiguous arrays: the prefix and
+    header first, then arrays) with one ``sendmsg`` in the common case, without joining them first."""
     sent = sock.sendmsg(parts)
-    total = 0
-    for p in parts:
-        total += len(p) if type(p) is bytes else p.nbytes if type(p) is np.ndarray else memoryview(p).nbytes
-    if sent < total:  # the socket buffer was full: send the rest in order
+    _, _, _, header_len, body_len = PREFIX.unpack_from(parts[0])  # the frame's own length, not a sum
+    if sent < PREFIX.size + header_len + body_len:  # the socket buffer was full: send the rest in order
         sock.sendall(b"".join(parts)[sent:])
 
 
@@ -349,7 +353,7 @@ def unpack_int64(descr: dict, body, name: str, *, optional: bool = False) -> tor
                 and offset + nbytes <= len(body)):
             if nbytes == 0:
                 return torch.empty(0, dtype=torch.int64)
-            a = np.frombuffer(body, dtype="<i8", count=shape[0], offset=offset)
+            a = np.frombuffer(body, dtype=_I8, count=shape[0], offset=offset)
             return torch.from_numpy(a if a.flags.writeable else a.copy())
     t = unpack_tensor(descr, body, name)  # the general path names what is wrong
     if t.dtype != torch.int64 or t.dim() != 1:
@@ -414,6 +418,7 @@ _EXTRAS = ("model_fingerprint", "inject")
 RESTORE_STAGES = ("received", "parsed", "validated", "resolved", "prepared", "launched", "completed", "reply_sent")
 OP_STATES = ("submitting", "pending", "drained")
 _ZERO_PAD = bytes(8)
+_I8 = np.dtype("<i8")  # parsed once: a dtype given as a string is parsed again by every call
 #: the most buffers :func:`restore_frame` hands to one ``sendmsg`` (arrays beyond: joined first)
 _MAX_PARTS = 64
 
@@ -427,7 +432,9 @@ class RestoreRequest:
     items' destination slots end to end; ``new_positions``: int64[sum of the position counts].
     Decoded arrays are views of the received frame. ``secret``: the registration's 32 raw bytes;
     ``wait_event``: the client's 64-byte CUDA IPC event handle or ``None``; ``timeout``: seconds or
-    ``None``; ``model_fingerprint``, ``inject``: JSON objects or ``None``.
+    ``None``; ``model_fingerprint``, ``inject``: JSON objects or ``None``. ``values``: decoded
+    requests only (else ``None``), the whole body as one int64 array, ``slots`` then
+    ``new_positions`` (both are views of it), so the service splits it per item in one call.
     """
 
     request_id: int
@@ -444,6 +451,7 @@ class RestoreRequest:
     wait_event: bytes | None = None
     model_fingerprint: dict | None = None
     inject: dict | None = None
+    values: np.ndarray | None = None
 
 
 class RestoreReply(NamedTuple):
@@ -683,11 +691,11 @@ def decode_restore(raw, body) -> RestoreRequest:
             if v is not None and not isinstance(v, dict):
                 raise ProtocolError(f"{k}: expected an object, got {type(v).__name__}")
         model_fingerprint, inject = extras.get("model_fingerprint"), extras.get("inject")
-    values = np.frombuffer(body, dtype="<i8")
+    values = np.frombuffer(body, dtype=_I8)
     return RestoreRequest(
         rid, reg, secret, keys, slot_counts, position_counts, values[:n_slots], values[n_slots:],
         bits & BIT_WAIT != 0, timeout if bits & BIT_TIMEOUT else None, bits & BIT_TIMINGS != 0, event,
-        model_fingerprint, inject)
+        model_fingerprint, inject, values)
 
 
 def encode_restore_reply(request_id: int, op_id: int, state: str, stamps: dict | None = None) -> bytes:

@@ -33,6 +33,10 @@ import numpy as np
 
 from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError
 
+from . import _compiled
+
+_I8 = np.dtype(np.int64)  # block arrays of this dtype (and C-contiguous) take the compiled paths
+
 
 class Completion(ABC):
     """Physical completion of work that was already submitted.
@@ -169,7 +173,6 @@ class Registry:
         self._regs: dict[int, Registration] = {}
         self._live_handles: dict[bytes, int] = {}
         self._retired: dict[int, str] = {}
-        self._source_holds: dict[str, int] = {}
 
     # ------------------------------------------------------------------ registrations
     def register(self, identity: PeerIdentity, *, instance: int, handle_key: bytes, layout, memory,
@@ -305,28 +308,40 @@ class Registry:
     def begin(self, reg: Registration, kind: str, blocks, sources: Iterable[str] = ()) -> Op:
         """Reserve ``blocks`` of ``reg`` (block ids in range: a set, or a sorted unique int64 array
         from :meth:`block_ids_of_slots`) and the named sources for one operation (before any
-        submission)."""
-        sources = tuple(sources)
+        submission). The sources are held by the pending operation itself (see :meth:`source_held`)."""
+        if type(sources) is not tuple:
+            sources = tuple(sources)
         if not isinstance(blocks, np.ndarray):
             blocks = np.array(sorted(blocks), dtype=np.int64)
-        if blocks.size and (blocks[0] < 0 or blocks[-1] >= reg.holders.shape[0]):
-            raise LayoutError(f"blocks: outside 0..{reg.holders.shape[0] - 1} of registration {reg.reg_id}")
+        holders = reg.holders
+        if blocks.size and (blocks[0] < 0 or blocks[-1] >= holders.shape[0]):
+            raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
+        compiled = _compiled.compiled() if blocks.dtype is _I8 and blocks.flags.c_contiguous else None
         with self._lock:
             if reg.state != REG_OPEN:
                 raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
-            holders = reg.holders[blocks]
-            if np.count_nonzero(holders):
-                busy = blocks[holders != 0]
-                holder = int(reg.holders[busy[0]])
-                raise OwnershipError(f"blocks {busy[:8].tolist()} of registration {reg.reg_id} are held by operation "
-                                     f"{holder} until its copy has physically finished; drain it first")
-            op = Op(self._next_op, reg, kind, blocks, sources)
-            self._next_op += 1
-            reg.holders[blocks] = op.op_id
-            for key in sources:
-                self._source_holds[key] = self._source_holds.get(key, 0) + 1
-            reg.ops[op.op_id] = op
+            op_id = self._next_op
+            if compiled is not None:
+                # checks that every block is free and holds them, in one call
+                code = compiled.reserve(holders, blocks, op_id)
+                if code == _compiled.OUT_OF_RANGE:
+                    raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
+                if code != _compiled.RESERVED:
+                    self._refuse_held(reg, blocks)
+            elif np.count_nonzero(holders[blocks]):
+                self._refuse_held(reg, blocks)
+            else:
+                holders[blocks] = op_id
+            self._next_op = op_id + 1
+            op = Op(op_id, reg, kind, blocks, sources)
+            reg.ops[op_id] = op
             return op
+
+    @staticmethod
+    def _refuse_held(reg: Registration, blocks: np.ndarray) -> None:
+        busy = blocks[reg.holders[blocks] != 0]
+        raise OwnershipError(f"blocks {busy[:8].tolist()} of registration {reg.reg_id} are held by operation "
+                             f"{int(reg.holders[busy[0]])} until its copy has physically finished; drain it first")
 
     def submitted(self, op: Op, completion: Completion | None, *, outcome: str, error: str | None = None,
                   on_drained: Callable[[Op], None] | None = None, keepalive: Iterable = ()) -> None:
@@ -377,13 +392,14 @@ class Registry:
         for op in ops:
             left = None if deadline is None else max(0.0, deadline - self._now())
             try:
-                self._drain_one(op, left)
+                self.drain_one(op, left)
             except DrainError as exc:
                 failures.append(str(exc))
         if failures:
             raise DrainError("; ".join(failures))
 
-    def _drain_one(self, op: Op, timeout: float | None) -> None:
+    def drain_one(self, op: Op, timeout: float | None) -> None:
+        """:meth:`drain` of a single operation (a synchronous request's own), without the list."""
         if op.state == OP_DRAINED:
             return
         if not op.wait_submitted(timeout):
@@ -411,19 +427,20 @@ class Registry:
                 return
             op.state = OP_DRAINED
             reg = op.reg
-            held = reg.holders[op.blocks]
-            if np.count_nonzero(held != op.op_id):  # never, while begin() is the only one to reserve
-                reg.holders[op.blocks[held == op.op_id]] = 0
+            holders, blocks = reg.holders, op.blocks
+            # only the blocks this operation holds: all of them, while begin() is the only one to reserve
+            compiled = _compiled.compiled() if blocks.dtype is _I8 and blocks.flags.c_contiguous else None
+            if compiled is not None:
+                compiled.release(holders, blocks, op.op_id)
             else:
-                reg.holders[op.blocks] = 0
-            for key in op.sources:
-                n = self._source_holds.get(key, 0) - 1
-                if n > 0:
-                    self._source_holds[key] = n
+                held = holders[blocks]
+                if np.count_nonzero(held != op.op_id):
+                    holders[blocks[held == op.op_id]] = 0
                 else:
-                    self._source_holds.pop(key, None)
-            reg.ops.pop(op.op_id, None)
-            free_reg = reg.state in (REG_CLOSING, REG_ORPHANED) and not reg.ops
+                    holders[blocks] = 0
+            ops = reg.ops
+            ops.pop(op.op_id, None)
+            free_reg = not ops and reg.state in (REG_CLOSING, REG_ORPHANED)
             callback, op.on_drained = op.on_drained, None
         if callback is not None:
             callback(op)
@@ -431,9 +448,19 @@ class Registry:
         if free_reg:
             self._free([reg])
 
+    def _source_holds(self) -> dict[str, int]:
+        """Key -> number of pending operations that read or write it. Counted when asked (evict,
+        status) rather than kept up to date by every request. Called with ``_lock`` held."""
+        holds: dict[str, int] = {}
+        for reg in self._regs.values():
+            for op in reg.ops.values():
+                for key in op.sources:
+                    holds[key] = holds.get(key, 0) + 1
+        return holds
+
     def source_held(self, key: str) -> bool:
         with self._lock:
-            return self._source_holds.get(key, 0) > 0
+            return any(key in op.sources for reg in self._regs.values() for op in reg.ops.values())
 
     # ------------------------------------------------------------------ reaping and state
     def reap(self, timeout: float = 0.0) -> list[Registration]:
@@ -448,7 +475,7 @@ class Registry:
         self._free(idle)
         for op in ops:
             try:
-                self._drain_one(op, timeout)
+                self.drain_one(op, timeout)
             except DrainError:
                 pass
         with self._lock:
@@ -462,5 +489,5 @@ class Registry:
         with self._lock:
             regs = [r.describe() for r in self._regs.values()]
             ops = [op.describe() for r in self._regs.values() for op in r.ops.values()]
-            return {"registrations": regs, "pending_ops": ops, "held_sources": dict(self._source_holds),
+            return {"registrations": regs, "pending_ops": ops, "held_sources": self._source_holds(),
                     "retired": len(self._retired), "next_generation": self._next_generation}

@@ -22,12 +22,17 @@ synchronous request, ``close`` or the reaper for clients that went away).
 
 Fixed cost per request is kept small because a restore's own work is a millisecond or two: a
 restore and its reply are fixed-layout binary frames (:func:`.protocol.decode_restore`) whose int64
-index arrays are used in place, checked and reserved vectorised (one sort for bounds and duplicates,
-one array of block holders per registration); the client's interprocess event is opened once per
-connection and registration and re-recorded by the client for every request; originals stay on the
-device and a request's are looked up under one lock; a lone request's completion is polled briefly
-before a blocking wait, and so is an idle connection's next request (``receive_spin_s``), while
-concurrent requests wait blocking so that waiting threads leave the CPU to the working ones.
+index arrays are used in place (split into per-item views in one call), checked and reserved in
+one compiled pass each (:mod:`._compiled`; the NumPy path, one sort for bounds and duplicates,
+decides unusual requests and errors), against one array of block holders per registration; what
+a registration's items need beyond their arrays is derived once per distinct item list; the
+client's interprocess event is opened once per connection and registration and re-recorded by the
+client for every request; originals stay on the device and a request's are looked up under one
+lock; the registration's stream is made current with torch's plain setters rather than its
+context managers (which look up the current device several times per use), and a synchronous
+request's completion event is recorded again by the registration's next copy; a lone request's completion is polled briefly before a blocking wait,
+and so is an idle connection's next request (``receive_spin_s``), while concurrent requests wait
+blocking so that waiting threads leave the CPU to the working ones.
 
 Fault injection (``allow_fault_injection=True`` only; tests): a request may carry ``inject``:
 ``{"spin_cycles": int}`` queues a spin kernel ahead of its copy, ``{"fail_after_submit": true}``
@@ -53,7 +58,7 @@ import torch
 
 from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
-from . import protocol
+from . import _compiled, protocol
 from .memory import DeviceMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
 from .sockets import bind_socket, check_peer, peer_identity
@@ -111,26 +116,34 @@ class CudaEventCompletion(Completion):
     copy finishes within microseconds, sooner than a blocking wait wakes up; with other requests in
     flight, polling would take the CPU from them. Then an untimed wait blocks on the event and a
     timed one polls ``query`` at growing intervals (CUDA events have no timed wait).
+
+    ``event`` may be recorded again for a later copy once a wait has returned ``True`` (the service
+    reuses a synchronous request's event, see :meth:`_Service.restore`): a wait that starts after
+    that waits for the later copy too, which finishes after this one.
     """
 
     def __init__(self, event: torch.cuda.Event, *, spin_s: float = 0.0, spin_while=None):
-        self._event = event
+        self.event = event
         self._spin_s = spin_s
         self._spin_while = spin_while
 
     def wait(self, timeout: float | None) -> bool:
+        event = self.event
+        if event.query():  # a short copy has often finished by the time its request looks
+            return True
         start = time.monotonic()
         spin = self._spin_s if timeout is None else min(self._spin_s, timeout)
         if spin > 0:
-            while time.monotonic() - start < spin and (self._spin_while is None or self._spin_while()):
-                if self._event.query():
+            spin_while = self._spin_while
+            while time.monotonic() - start < spin and (spin_while is None or spin_while()):
+                if event.query():
                     return True
         if timeout is None:
-            self._event.synchronize()
+            event.synchronize()
             return True
         deadline = start + timeout
         pause = 2e-5
-        while not self._event.query():
+        while not event.query():
             now = time.monotonic()
             if now >= deadline:
                 return False
@@ -162,6 +175,8 @@ _FINISHED = Finished()  # stateless: one for every synchronous (host memory) cop
 _NO_FAULTS: dict = {}  # never modified
 #: distinct item lists whose checks a registration remembers (see :func:`_item_plan`)
 _PLANS_KEPT = 64
+#: completion events a registration keeps for reuse (as many as it has had requests at once)
+_EVENTS_KEPT = 8
 _place_module = None
 
 
@@ -175,19 +190,25 @@ def _place():
 
 class _ItemPlan:
     """What a restore's items need beyond their index arrays, derived from the registration and the
-    originals they name: the per-item checks passed, which items shift. Valid for exactly the
-    segment objects it was made for (originals are immutable; a key published again is another
-    object), which it refers to weakly (an evicted original is not kept alive by it), and for the
-    registration it is kept on (its layout and RoPE spec never change)."""
+    originals they name: the per-item checks passed, which items shift, how the body splits into
+    per-item arrays. Valid for exactly the segment objects it was made for (originals are
+    immutable; a key published again is another object), which it refers to weakly (an evicted
+    original is not kept alive by it), and for the registration it is kept on (its layout and RoPE
+    spec never change)."""
 
-    __slots__ = ("segs", "shifted", "plain", "new_counts", "num_positions")
+    __slots__ = ("segs", "shifted", "plain", "split_sizes", "num_positions", "starts", "check_params")
 
-    def __init__(self, segs, position_counts, num_positions):
+    def __init__(self, segs, slot_counts, position_counts, num_positions, reg):
         self.segs = [weakref.ref(seg) for seg in segs]
         self.shifted = [i for i, c in enumerate(position_counts) if c is not None]
         self.plain = [i for i, c in enumerate(position_counts) if c is None]
-        self.new_counts = [position_counts[i] for i in self.shifted]
+        #: the body's arrays in its order: every item's slots, then the shifted items' new positions
+        self.split_sizes = list(slot_counts) + [position_counts[i] for i in self.shifted]
         self.num_positions = num_positions
+        #: the compiled slot check's arguments (see :func:`_restore_blocks`): each item's first slot
+        #: in the body, and the registration's slot count, block size and the positions' bound
+        self.starts = np.cumsum([0, *slot_counts], dtype=np.int64)
+        self.check_params = np.array([reg.num_slots, reg.block_size, num_positions or 0], dtype=np.int64)
 
     def made_for(self, segs) -> bool:
         return len(segs) == len(self.segs) and all([ref() is seg for ref, seg in zip(self.segs, segs)])
@@ -217,11 +238,35 @@ def _item_plan(reg, req: protocol.RestoreRequest, segs) -> _ItemPlan:
                 raise LayoutError(f"items[{i}].new_positions: the registration has no RoPE spec to shift with")
             if shift != T:
                 raise LayoutError(f"items[{i}].new_positions: expected {T} positions, got {shift}")
-    plan = _ItemPlan(segs, req.position_counts, reg.extra.get("num_positions"))
+    plan = _ItemPlan(segs, req.slot_counts, req.position_counts, reg.extra.get("num_positions"), reg)
     if len(memo) >= _PLANS_KEPT:
         memo.clear()
     memo[signature] = plan
     return plan
+
+
+def _restore_blocks(registry: Registry, reg, req: protocol.RestoreRequest, plan: _ItemPlan) -> np.ndarray:
+    """The blocks ``req`` writes, sorted and unique, once its slots and new positions are checked.
+
+    The security boundary: every slot in [-1, num_slots) of this registration and none twice;
+    place_many is told so (``_slots_checked``) instead of checking the same values again. The usual
+    request is checked in one compiled pass (:mod:`._compiled`); anything else, errors included,
+    by the NumPy path, which names what is wrong."""
+    compiled = _compiled.compiled()
+    values = req.values
+    if compiled is not None and values is not None:
+        out = np.empty(len(req.slots), dtype=np.int64)
+        count = compiled.restore_blocks(values, plan.starts, plan.check_params, out)
+        if count >= 0:
+            return out[:count]
+    pos = req.new_positions
+    # one reduction: viewed as unsigned, a negative position is larger than any valid one
+    if pos.size and int(np.maximum.reduce(pos.view(np.uint64))) >= plan.num_positions:
+        j = int(np.flatnonzero((pos < 0) | (pos >= plan.num_positions))[0])
+        ends = np.cumsum([c or 0 for c in req.position_counts])
+        i = int(np.searchsorted(ends, j, side="right"))
+        raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {plan.num_positions})")
+    return registry.block_ids_of_slots(reg, req.slots, name="items[*].slots")
 
 
 # ---------------------------------------------------------------------------------- the service
@@ -388,14 +433,15 @@ class _Service:
         with self._lock:
             self._counters[name] += 1
 
-    def _dispatch(self, rid, run):
-        """Run one request's handler ``run()``: ``(True, its result)``, or ``(False, the typed error
-        reply)`` when it raised (the service keeps serving either way)."""
-        with self._lock:
+    def _dispatch(self, rid, run, *args):
+        """Run one request's handler ``run(*args)``: ``(True, its result)``, or ``(False, the typed
+        error reply)`` when it raised (the service keeps serving either way)."""
+        lock = self._lock
+        with lock:
             self._counters["requests"] += 1
             self._inflight += 1
         try:
-            return True, run()
+            return True, run(*args)
         except KmeshError as exc:
             self._count("errors")
             reply = protocol.error_reply(rid, exc)
@@ -407,7 +453,7 @@ class _Service:
             traceback.print_exc(file=sys.stderr)
             return False, protocol.error_reply(rid, ServiceError(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
-            with self._lock:
+            with lock:
                 self._inflight -= 1
 
     def _serve_json(self, h: dict, body, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
@@ -437,7 +483,7 @@ class _Service:
             return protocol.encode(protocol.error_reply(protocol.binary_request_id(raw), exc))
         # opt-in per-request timing: monotonic ns, system-wide on Linux
         stamps = {"received": received, "parsed": time.monotonic_ns()} if req.timings else None
-        ok, result = self._dispatch(req.request_id, lambda: self.restore(req, peer, conn_id, stamps))
+        ok, result = self._dispatch(req.request_id, self.restore, req, peer, conn_id, stamps)
         if not ok:
             return protocol.encode(result)
         if stamps is not None:
@@ -462,9 +508,6 @@ class _Service:
             if k not in ("spin_cycles", "fail_after_submit", "refuse_waits"):
                 raise ProtocolError(f"inject: unknown fault {k!r}")
         return inject
-
-    def _device_of(self, reg) -> torch.device:
-        return reg.extra["cache"].device
 
     @staticmethod
     def _event_handle(h: dict) -> bytes | None:
@@ -491,7 +534,7 @@ class _Service:
         if entry is not None and entry[0] == raw:
             return entry[1]
         try:
-            event = torch.cuda.Event.from_ipc_handle(self._device_of(reg), raw)
+            event = torch.cuda.Event.from_ipc_handle(reg.extra["device"], raw)
         except RuntimeError as exc:
             raise ProtocolError(f"wait_event: cannot open the CUDA IPC event handle: {exc}") from exc
         if events is not None:
@@ -501,8 +544,9 @@ class _Service:
     def _nothing_in_flight(self) -> bool:
         return self._inflight == 0
 
-    def _others_in_flight(self) -> bool:
-        return self._inflight > 1
+    def _alone(self) -> bool:
+        """No other request is being handled (the completion poll's condition to go on polling)."""
+        return self._inflight <= 1
 
     def _submit(self, reg, op, inject: dict, enqueue, *, client_event=None, on_drained=None) -> None:
         """Run ``enqueue(keepalive)`` on the registration's stream and record what was submitted.
@@ -513,51 +557,66 @@ class _Service:
         keepalive: list = []
         error: BaseException | None = None
         completion: Completion
-        if reg.extra["on_cuda"]:
-            device, stream = self._device_of(reg), reg.extra["stream"]
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+        extra = reg.extra
+        if extra["on_cuda"]:
+            stream, index = extra["stream"], extra["device_index"]
+            # What ``with torch.cuda.device(index), torch.cuda.stream(stream)`` does, for a fraction of
+            # its Python cost (those resolve the current device several times and build Stream
+            # objects): making a stream current also makes its device current; afterwards the
+            # device's previous stream and the thread's previous device are put back.
+            prev_device = torch.cuda.current_device()
+            prev_stream = torch.cuda.current_stream(index)
+            torch.cuda.set_stream(stream)
+            try:
                 try:
                     if client_event is not None:
                         # The client's earlier writes/reads of these blocks come first.
                         stream.wait_event(client_event)
                         keepalive.append(client_event)
-                    if inject.get("spin_cycles"):
+                    if inject and inject.get("spin_cycles"):
                         torch.cuda._sleep(int(inject["spin_cycles"]))
                     enqueue(keepalive)
-                    if inject.get("fail_after_submit"):
+                    if inject and inject.get("fail_after_submit"):
                         raise InjectedFault("injected failure after the copy was submitted")
                 except BaseException as exc:
                     error = exc
                 finally:
-                    done = torch.cuda.Event(blocking=True)
+                    try:  # an event of an earlier copy that has drained (see restore), else a new one
+                        done = extra["free_events"].pop()
+                    except IndexError:
+                        done = torch.cuda.Event(blocking=True)
                     done.record(stream)
-                    lone = not self._others_in_flight()
-                    completion = CudaEventCompletion(done, spin_s=self.config.completion_spin_s if lone else 0.0,
-                                                     spin_while=lambda: not self._others_in_flight())
+            finally:
+                torch.cuda.set_stream(prev_stream)
+                if prev_device != index:
+                    torch.cuda.set_device(prev_device)
+            completion = CudaEventCompletion(done, spin_s=self.config.completion_spin_s if self._inflight <= 1 else 0.0,
+                                             spin_while=self._alone)
         else:
             try:
                 enqueue(keepalive)
-                if inject.get("fail_after_submit"):
+                if inject and inject.get("fail_after_submit"):
                     raise InjectedFault("injected failure after the copy was submitted")
             except BaseException as exc:
                 error = exc
             completion = _FINISHED
-        if inject.get("refuse_waits"):
+        if inject and inject.get("refuse_waits"):
             completion = RefusingCompletion(completion, int(inject["refuse_waits"]))
-        self.registry.submitted(op, completion, outcome="failed" if error else "ok",
-                                error=None if error is None else str(error), keepalive=keepalive,
+        if error is None:
+            self.registry.submitted(op, completion, outcome="ok", keepalive=keepalive, on_drained=on_drained)
+            return
+        self.registry.submitted(op, completion, outcome="failed", error=str(error), keepalive=keepalive,
                                 on_drained=on_drained)
-        if error is not None:
-            if not isinstance(error, KmeshError):
-                error = ServiceError(f"copy failed after submission: {type(error).__name__}: {error}")
-            error.op_id = op.op_id
-            raise error
+        if not isinstance(error, KmeshError):
+            error = ServiceError(f"copy failed after submission: {type(error).__name__}: {error}")
+        error.op_id = op.op_id
+        raise error
 
     def _finish(self, op, wait: bool, timeout: float | None):
         """Drain ``op`` when the request waits for its copy; returns it."""
         if wait:
             try:
-                self.registry.drain([op], timeout)
+                self.registry.drain_one(op, timeout)
             except DrainError as exc:
                 exc.op_id = op.op_id
                 raise
@@ -625,13 +684,17 @@ class _Service:
                               f"{list(layout.physical_shape)} of {layout.dtype} needs {need * itemsize}")
         if rope is not None and rope.head_size != layout.head_size:
             raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
+        _compiled.compiled()  # compiled (or loaded) now, not by the registration's first restore
         mapping = open_handle(handle, self.device_mappings)
         try:
             cache = mapping.cache(layout)
-            extra = {"cache": cache, "rope": rope, "on_cuda": cache.device.type == "cuda",
+            # looked up once: a tensor's device is a new object at every ask
+            extra = {"cache": cache, "device": cache.device, "rope": rope, "on_cuda": cache.device.type == "cuda",
                      "num_positions": None if rope is None else int(rope.num_positions)}
             if cache.device.type == "cuda":
                 extra["stream"] = torch.cuda.Stream(device=cache.device)
+                extra["device_index"] = cache.device.index
+                extra["free_events"] = []  # completion events to record again (see restore)
             reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
                                          memory=mapping, extra=extra)
         except BaseException:
@@ -653,59 +716,53 @@ class _Service:
         """A decoded restore request: checks, reserves, submits and (``req.wait``) drains; returns the Op."""
         reg = self.registry.authorize(req.reg_id, req.secret, peer)
         inject = self._inject(req.inject) if req.inject else _NO_FAULTS
-        segs = self.sources.get_many(req.keys, model_fingerprint=req.model_fingerprint)
+        keys = req.keys
+        segs = self.sources.get_many(keys, model_fingerprint=req.model_fingerprint)
         plan = _item_plan(reg, req, segs)
         pos = req.new_positions
-        # one reduction: viewed as unsigned, a negative position is larger than any valid one
-        if pos.size and int(np.maximum.reduce(pos.view(np.uint64))) >= plan.num_positions:
-            j = int(np.flatnonzero((pos < 0) | (pos >= plan.num_positions))[0])
-            ends = np.cumsum([c or 0 for c in req.position_counts])
-            i = int(np.searchsorted(ends, j, side="right"))
-            raise LayoutError(f"items[{i}].new_positions: {int(pos[j])} outside [0, {plan.num_positions})")
-        # The security boundary: every slot in [-1, num_slots) of this registration and none twice.
-        # place_many is told so (``_slots_checked``) instead of checking the same values again.
-        blocks = self.registry.block_ids_of_slots(reg, req.slots, name="items[*].slots")
+        blocks = _restore_blocks(self.registry, reg, req, plan)
         client_event = self._client_event(req.wait_event, reg, conn_id) if req.wait_event is not None else None
-        op = self.registry.begin(reg, "restore", blocks, req.keys)
+        op = self.registry.begin(reg, "restore", blocks, keys)
         if stamps is not None:
             stamps["validated"] = time.monotonic_ns()
         extra = reg.extra
-        cache, layout, rope, backend = extra["cache"], reg.layout, extra["rope"], self.config.backend
 
         def enqueue(keepalive):
-            prepare_place_many = _place().prepare_place_many
             if extra["on_cuda"]:
-                device, stream = cache.device, extra["stream"]
+                device = extra["device"]
                 kvs = []
-                for seg, copy in zip(segs, self.device_originals.get_many(req.keys, segs, device)):
+                for seg, copy in zip(segs, self.device_originals.get_many(keys, segs, device)):
                     if copy is None:  # over the device budget: upload for this request only
                         kv = seg.kv.to(device, non_blocking=True)
                     else:
                         if not copy.uploaded:
-                            self.device_originals.order_after_upload(copy, stream)
+                            self.device_originals.order_after_upload(copy, extra["stream"])
                         kv = copy.kv
                     kvs.append(kv)
                 keepalive.extend(kvs)
             else:
                 kvs = [seg.kv for seg in segs]
-            # views of the request's arrays, one per item (the frame's buffer is the op's own)
-            slot_ts = torch.from_numpy(req.slots).split_with_sizes(req.slot_counts)
+            # Views of the request's body (the frame's buffer is the op's own): every item's slots,
+            # then the shifted items' new positions, split in one call.
+            values = req.values if req.values is not None else np.concatenate((req.slots, pos))
+            index = torch.from_numpy(values).split_with_sizes(plan.split_sizes)
             if stamps is not None:
                 stamps["resolved"] = time.monotonic_ns()
+            prepare_place_many = _place().prepare_place_many
+            cache, layout, backend = extra["cache"], reg.layout, self.config.backend
+            shifted, plain, n = plan.shifted, plan.plain, len(segs)
             launches = []
-            if plan.shifted:
-                new_ts = list(torch.from_numpy(pos).split_with_sizes(plan.new_counts))
-                if plan.plain:
-                    kv_s, slot_s = [kvs[i] for i in plan.shifted], [slot_ts[i] for i in plan.shifted]
+            if shifted:
+                if plain:
+                    kv_s, slot_s = [kvs[i] for i in shifted], [index[i] for i in shifted]
                 else:
-                    kv_s, slot_s = kvs, list(slot_ts)
+                    kv_s, slot_s = kvs, list(index[:n])
                 launches.append(prepare_place_many(
-                    kv_s, cache, layout, slot_s, rope=rope, old_positions=[segs[i].positions for i in plan.shifted],
-                    new_positions=new_ts, backend=backend, _slots_checked=True))
-            if plan.plain:
-                launches.append(prepare_place_many([kvs[i] for i in plan.plain], cache, layout,
-                                                   [slot_ts[i] for i in plan.plain], backend=backend,
-                                                   _slots_checked=True))
+                    kv_s, cache, layout, slot_s, rope=extra["rope"], old_positions=[segs[i].positions for i in shifted],
+                    new_positions=list(index[n:]), backend=backend, _slots_checked=True))
+            if plain:
+                launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [index[i] for i in plain],
+                                                   backend=backend, _slots_checked=True))
             if stamps is not None:
                 stamps["prepared"] = time.monotonic_ns()
             for launch in launches:
@@ -714,7 +771,13 @@ class _Service:
                 stamps["launched"] = time.monotonic_ns()
 
         self._submit(reg, op, inject, enqueue, client_event=client_event)
-        self._finish(op, req.wait, req.timeout)
+        if req.wait:
+            self._finish(op, True, req.timeout)
+            completion = op.completion
+            # Its copy has finished: the event may serve the registration's next copy (creating
+            # and destroying an event per request costs more than recording one again).
+            if type(completion) is CudaEventCompletion and len(extra["free_events"]) < _EVENTS_KEPT:
+                extra["free_events"].append(completion.event)
         if stamps is not None:
             stamps["completed"] = time.monotonic_ns()
         return op
