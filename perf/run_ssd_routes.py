@@ -18,7 +18,7 @@ child, 48 MiB for four) into its own paged cache slots at shifted positions (RoP
    (the device tree-root check of the forced read that loaded them, recorded on the tier entry),
    so the headline variant trusts that check (per child: one H2D per object + one place_many);
    the ``device re-verify`` variant also recomputes every root on the device. Medians of
-   ``HIT_CHILDREN`` children after two untimed ones.
+   ``HIT_CHILDREN`` children after ``HIT_WARMUP`` untimed ones.
 3. **Read once**: retention and singleflight on, four children started together after one
    eviction: the shared source (the four objects, 12 MiB) is read from storage once for all four
    children — every key exactly one read, 12 MiB read in all (counted per key by the tier).
@@ -205,6 +205,7 @@ def h2d_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> dict | N
 
 
 HIT_CHILDREN = 40  # host-tier children timed (each well under a millisecond)
+HIT_WARMUP = 20  # untimed ones first: the forced reads before leave the host mostly idle
 
 
 @contextlib.contextmanager
@@ -315,11 +316,11 @@ def forced_read(work: Workload, args, routes: list[str], tier: HostTier,
 
 def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool) -> dict:
     """Children restored from retained pinned RAM; ``trust_verified=False`` re-verifies on the device.
-    ``HIT_CHILDREN`` of them (children in turn), after two untimed ones; medians."""
+    ``HIT_CHILDREN`` of them (children in turn), after ``HIT_WARMUP`` untimed ones; medians."""
     tier.evict()
     # Load once: a forced read, verified on the device, which marks the tier entries verified.
     work.child("host_staging", 0, tier, verify=args.verify, evict=False)
-    for c in range(2):
+    for c in range(HIT_WARMUP):
         work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                    trust_verified=trust_verified)
     routes_mod.TRACE = trace = []  # the route's step stamps: where each child's host time goes
