@@ -148,6 +148,14 @@ class Ring:
         self._cq_head[0] = head
         return out
 
+    def collect(self, count: int) -> dict[int, int]:
+        """Wait for and reap ``count`` completions: ``{user_data: res}`` (for probes and tests)."""
+        got: dict[int, int] = {}
+        while len(got) < count:
+            self.wait()
+            got.update(self.reap())
+        return got
+
     def close(self) -> None:
         if self.fd < 0:
             return
@@ -182,10 +190,7 @@ def available() -> tuple[bool, str]:
                 ring.put(OP_NOP, 0, 0, 0, 0, 1)
                 ring.put(OP_READ, fd, 0, ctypes.addressof(buf), 64, 2)
                 ring.submit()
-                got = {}
-                while len(got) < 2:
-                    ring.wait()
-                    got.update(ring.reap())
+                got = ring.collect(2)
             finally:
                 os.close(fd)
             if got.get(1) == 0 and got.get(2, -1) > 0 and buf.raw[:1].isdigit():

@@ -290,17 +290,22 @@ class Probe:
                            "threads": t, "run": lambda total=total, c=c, t=t: self.one_file(total, c, t)})
         return ps
 
-    def seq(self, req: int, q: int) -> tuple[float, float]:
-        fd = open_direct(self.big)
+    def _timed_read(self, path: str, view: memoryview, offset: int, total: int, chunk: int,
+                    pool: ThreadPoolExecutor) -> tuple[float, float]:
+        """``total`` bytes of ``path`` from ``offset`` into ``view`` in ``chunk`` requests, all queued at
+        once on ``pool``: (seconds until the pool is done, seconds until the last read completed)."""
+        fd = open_direct(path)
         try:
-            jobs = [(pread_full, (fd, self.seq_buf.view[a:a + min(req, self.seq_bytes - a)], a))
-                    for a in range(0, self.seq_bytes, req)]
+            jobs = [(pread_full, (fd, view[a:a + min(chunk, total - a)], offset + a)) for a in range(0, total, chunk)]
             t0 = time.perf_counter()
-            ends = run_jobs(self.pools[q], jobs)
+            ends = run_jobs(pool, jobs)
             t1 = time.perf_counter()
         finally:
             os.close(fd)
         return t1 - t0, max(ends) - t0
+
+    def seq(self, req: int, q: int) -> tuple[float, float]:
+        return self._timed_read(self.big, self.seq_buf.view, 0, self.seq_bytes, req, self.pools[q])
 
     def latency(self, n: int, idle: float = 0.0) -> tuple[float, float]:
         fd = open_direct(self.big)
@@ -352,16 +357,7 @@ class Probe:
 
     def one_file(self, total: int, chunk: int, threads: int) -> tuple[float, float]:
         offset = self.rng.randrange(0, (self.seq_bytes - total) // MIB + 1) * MIB
-        view = self.child_buf.view
-        fd = open_direct(self.big)
-        try:
-            jobs = [(pread_full, (fd, view[a:a + min(chunk, total - a)], offset + a)) for a in range(0, total, chunk)]
-            t0 = time.perf_counter()
-            ends = run_jobs(self.pools[threads], jobs)
-            t1 = time.perf_counter()
-        finally:
-            os.close(fd)
-        return t1 - t0, max(ends) - t0
+        return self._timed_read(self.big, self.child_buf.view, offset, total, chunk, self.pools[threads])
 
     # ------------------------------------------------------------------ rounds
     def round_order(self, r: int) -> list[tuple[int, dict]]:

@@ -175,10 +175,7 @@ def test_ring_nop_and_read_round_trip(data_file):
             ring.put(uring.OP_NOP, 0, 0, 0, 0, 7)
             ring.put(uring.OP_READ, fd, 10, ctypes.addressof(out), 100, 8)
             assert ring.submit() == 2
-            got = {}
-            while len(got) < 2:
-                ring.wait()
-                got.update(ring.reap())
+            got = ring.collect(2)
         finally:
             os.close(fd)
         assert got == {7: 0, 8: 100} and out.raw == data[10:110]
