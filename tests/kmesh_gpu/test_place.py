@@ -371,7 +371,7 @@ def test_run_rows_split():
     """Runs: consecutive tokens of one item in consecutive slots of one block, at most `cap` long."""
     import numpy as np
 
-    from kmesh_gpu.place import _run_rows
+    from kmesh_gpu._place_tables import _run_rows
 
     slots = np.array([32, 33, 34, 35, -1, 36, 37, 47, 48, 49, 5, 6, 7] + list(range(64, 104)), dtype=np.int64)
     item = np.array([0] * 12 + [1] * 41)
@@ -606,7 +606,7 @@ def test_runs_split_matches_a_loop():
     """_run_rows against a token-by-token loop: random slots, skipped tokens, item changes, caps."""
     import numpy as np
 
-    from kmesh_gpu.place import _run_rows
+    from kmesh_gpu._place_tables import _run_rows
 
     def loop(slots, item, N, cap):
         out = []
