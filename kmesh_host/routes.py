@@ -42,7 +42,6 @@ trusted has nothing to overlap: its copies and placement run in order on the cal
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import queue
@@ -58,6 +57,7 @@ from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pin
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import prepare_place_many
 
+from ._streams import _CallerStream, _Streams
 from .direct_io import ALIGN, round_up
 from .segment import ModelFingerprint, Segment, SegmentHeader, check_fingerprint, check_payload
 from .store import SegmentStore
@@ -171,193 +171,6 @@ def _kv_views(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[
             acc *= shape[i]
         kvs.append(view.as_strided(shape, strides, o // size))
     return kvs
-
-
-# torch's current stream as (stream_id, device_index, device_type) and its setter, without building
-# Stream objects (torch.cuda.stream's context does that and more on every entry); None where absent
-_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
-_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
-
-
-class _On:
-    """``with``: ``stream`` (on the current device) is torch's current stream inside the block."""
-
-    __slots__ = ("ids", "prev")
-
-    def __init__(self, ids: tuple):
-        self.ids = ids
-
-    def __enter__(self):
-        self.prev = _GET_STREAM(self.ids[1])
-        _SET_STREAM(stream_id=self.ids[0], device_index=self.ids[1], device_type=self.ids[2])
-
-    def __exit__(self, *exc):
-        p = self.prev
-        _SET_STREAM(stream_id=p[0], device_index=p[1], device_type=p[2])
-
-
-def _ids(stream) -> tuple:
-    return stream.stream_id, stream.device_index, stream.device_type
-
-
-def _raw_stream_slow(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# torch's current stream of a device as a raw handle, without building a Stream object
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream_slow
-_THREAD = threading.local()  # per thread and device: the copy and work streams, and digest side streams
-
-
-class _Streams:
-    """Where one restore's device work runs (see the module docstring).
-
-    ``copy`` takes the H2D copies, ``work`` the root comparison and placement; each object's digest
-    runs on one of a few side streams (:meth:`on_digest`), so digests of objects that land together
-    run at once rather than one after another (a tree digest is latency-bound: a few hundred
-    threads per object leave the GPU mostly idle). All first wait for the caller's current stream
-    (one event); :meth:`join` makes the caller's stream wait for all of them. On the CPU there are
-    no streams: every step runs inline, in the order it is issued.
-
-    The streams are taken from torch's pool once per thread and device and reused by that
-    thread's later restores (each ends synchronised), so a restore creates no stream objects.
-    """
-
-    SIDE_STREAMS = 4
-
-    def __init__(self, device: torch.device):
-        self.caller = self.copy = self.work = self.start = None
-        self.device = device
-        self._sides: list = []
-        self._next_side = 0
-        self._joined = False
-        self._lean, self._pool = False, []
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.caller = torch.cuda.current_stream(index)
-            cache = getattr(_THREAD, "streams", None)
-            if cache is None:
-                cache = _THREAD.streams = {}
-            own = cache.get(index)
-            if own is None:  # From torch's per-device stream pool, once per thread.
-                own = cache[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index), [])
-            self.copy, self.work, self._pool = own
-            self.start = torch.cuda.Event()
-            self.start.record(self.caller)
-            self.copy.wait_event(self.start)
-            self.work.wait_event(self.start)
-            # the lean stream switch where torch offers it and the restore runs on the current device
-            self._lean = _GET_STREAM is not None and _SET_STREAM is not None \
-                and index == torch.cuda.current_device()
-            self._copy_ids, self._work_ids = _ids(self.copy), _ids(self.work)
-
-    def _on(self, stream, ids=None):
-        if not self._lean:
-            return torch.cuda.stream(stream)
-        return _On(ids or _ids(stream))
-
-    def on_copy(self):
-        return self._on(self.copy, self._copy_ids) if self.copy is not None else contextlib.nullcontext()
-
-    def on_work(self):
-        return self._on(self.work, self._work_ids) if self.work is not None else contextlib.nullcontext()
-
-    def copied(self):
-        """An event completing after every copy issued so far (``None`` on the CPU)."""
-        if self.copy is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.copy)
-        return event
-
-    def work_after(self, event) -> None:
-        """Work issued from now on runs after ``event`` (a device-side wait; the host goes on)."""
-        if event is not None:
-            self.work.wait_event(event)
-
-    def on_digest(self, event):
-        """A context for one object's digest: the next side stream, after ``event`` (its copy)."""
-        if self.work is None:
-            return contextlib.nullcontext()
-        if len(self._sides) < self.SIDE_STREAMS:
-            k = len(self._sides)
-            if k == len(self._pool):  # the thread's side streams, taken from torch's pool once
-                self._pool.append(torch.cuda.Stream(device=self.caller.device_index))
-            side = self._pool[k]
-            side.wait_event(self.start)
-            self._sides.append(side)
-        else:
-            side = self._sides[self._next_side % self.SIDE_STREAMS]
-        self._next_side += 1
-        if event is not None:
-            side.wait_event(event)
-        return self._on(side)
-
-    def digests_done(self) -> None:
-        """Work issued from now on runs after every digest."""
-        for side in self._sides:
-            self.work.wait_stream(side)
-
-    def join(self) -> None:
-        """The caller's stream waits for every stream of this restore (once; later calls do nothing)."""
-        if self.caller is not None and not self._joined:
-            self._joined = True
-            self.caller.wait_stream(self.copy)
-            self.caller.wait_stream(self.work)
-            for side in self._sides:
-                self.caller.wait_stream(side)
-
-    def sync(self) -> None:
-        """Wait on the host for the caller's stream (everything joined into it)."""
-        if self.caller is not None:
-            self.caller.synchronize()
-
-    def copy_handle(self) -> int | None:
-        """The raw handle of the copy stream (``None`` on the CPU)."""
-        return self.copy.cuda_stream if self.copy is not None else None
-
-
-class _CallerStream:
-    """:class:`_Streams`' interface with every step on the caller's current stream, for a restore
-    with nothing to read or hash (every object resident in the host tier and trusted): there is
-    nothing to overlap, so the copies and the placement simply follow one another on one stream,
-    and no event, cross-stream wait or stream switch is spent on arranging an overlap."""
-
-    copy = work = caller = None
-    _NULL = contextlib.nullcontext()
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def on_copy(self):
-        return self._NULL
-
-    on_work = on_copy
-
-    def copied(self):
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def work_after(self, event) -> None:
-        pass
-
-    def on_digest(self, event):
-        return self._NULL
-
-    def digests_done(self) -> None:
-        pass
-
-    def join(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
-
-    def copy_handle(self) -> int:
-        """The raw handle of the stream copies go on (the caller's)."""
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return _raw_stream(index)
 
 
 def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
