@@ -257,7 +257,7 @@ def test_remembered_item_checks_do_not_keep_originals_alive(registry_and_reg):
     import gc
     import weakref
 
-    from kmesh_host.service.server import _item_plan
+    from kmesh_host.service.restore_plan import _item_plan
     from kmesh_host.service.sources import SourceSegment
 
     _, reg = registry_and_reg
