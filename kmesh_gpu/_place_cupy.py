@@ -10,12 +10,16 @@ the tools that sweep them set them there.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
 from . import _launch
-from . import place as P
 from .layout import KVLayout
+
+# the module (the package's attribute ``place`` is the function of that name)
+P = importlib.import_module("kmesh_gpu.place")
 
 _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
                torch.uint8: "unsigned char"}

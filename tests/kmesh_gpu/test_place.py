@@ -662,3 +662,16 @@ def test_driver_launch_matches_cupy_launch(monkeypatch):
             assert accepted and not any(accepted)
     for name in ("cupy-tokens", "cupy-runs"):
         assert torch.equal(outs[True][name][0], outs[False][name][0])
+
+
+def test_cupy_launcher_reads_the_kernel_shapes_from_the_place_module():
+    """_place_cupy imports on a CPU machine and reads the tunable shapes from kmesh_gpu.place (the
+    module, not the package's function of that name), where the tools set them."""
+    import importlib
+
+    from kmesh_gpu import _place_cupy
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    assert _place_cupy.P is place_mod
+    for name in ("_VEC_PER", "_VEC_LPT", "_RUN_GROUPS", "_RUN_HEADS", "_RUN_VPL", "_RUN_KVF", "_RUN_UNITS"):
+        assert isinstance(getattr(_place_cupy.P, name), int)
