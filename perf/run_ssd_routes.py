@@ -14,7 +14,8 @@ child, 48 MiB for four) into its own paged cache slots at shifted positions (RoP
    added: read calls and verification lie inside restoration, restoration inside the outer
    interval (eviction + restore + placement + release + stream sync).
 2. **Host tier**: the same children restored from retained pinned RAM (no eviction), against the
-   same-run pinned H2D bandwidth. The retained objects were verified when they entered the tier
+   same-run pinned H2D bandwidth; measured after the forced reads (the headline) and, trusted, once
+   more before them (the host runs the same children faster there: both are reported). The retained objects were verified when they entered the tier
    (the device tree-root check of the forced read that loaded them, recorded on the tier entry),
    so the headline variant trusts that check (per child: one H2D per object + one place_many);
    the ``device re-verify`` variant also recomputes every root on the device. Medians of
@@ -426,7 +427,8 @@ def print_table(res: dict) -> None:
               f"(target {f['target']:.0%}), {f['fraction_of_same_shape_read']:.1%} of the same-shape raw read; "
               f"read calls {f['read_GB_per_s']:.2f} GB/s")
     for name, label in (("host_tier", "trusts the check made when it entered the tier"),
-                        ("host_tier_device_verify", "device re-verify of every object")):
+                        ("host_tier_device_verify", "device re-verify of every object"),
+                        ("host_tier_before_forced_reads", "trusted, measured before the forced reads")):
         ht = res[name]
         extra = f" = {ht['fraction_of_h2d_bw']:.1%} of pinned H2D (target {ht['target']:.0%})" \
             if ht.get("fraction_of_h2d_bw") is not None else ""
@@ -548,6 +550,9 @@ def main(argv=None) -> int:
         # Warm-up (kernels compiled, buffers pinned) outside every timed interval.
         for r in routes:
             work.child(r, 0, tier, verify=args.verify, evict=True)
+        # the same host-tier children once before the forced reads too: the phase a child runs in
+        # changes the host's speed (reported beside the headline figure, which is measured after)
+        hits_first = host_tier_hits(work, args, tier, trust_verified=True)
         raw = SameShapeRead(work, args.threads, args.chunk_kib * 1024, args.io_engine)
         try:
             raw.once()  # buffers touched once, outside the measurement
@@ -579,7 +584,7 @@ def main(argv=None) -> int:
                         "fraction_of_disk_bw": restore_bw / disk["GB_per_s"],
                         "fraction_of_same_shape_read": restore_bw / same_shape["GB_per_s"],
                         "target": TARGETS["forced_read_fraction_of_disk_bw"]}
-    for h in (hits, hits_verified):
+    for h in (hits, hits_verified, hits_first):
         h["restore_GB_per_s"] = work.child_bytes / h["restore_s"] / 1e9
         h["fraction_of_h2d_bw"] = h["restore_GB_per_s"] / h2d["GB_per_s"] if h2d else None
         h["target"] = TARGETS["host_tier_fraction_of_h2d_bw"]
@@ -590,7 +595,8 @@ def main(argv=None) -> int:
            "pairs": args.pairs, "children": args.children, "objects": args.objects, "tokens": args.tokens,
            "child_bytes": work.child_bytes, "mechanisms": mechanisms,
            "forced_read": {"summary": summary, "pairs": pairs}, "host_tier": hits,
-           "host_tier_device_verify": hits_verified, "read_once": once,
+           "host_tier_device_verify": hits_verified, "host_tier_before_forced_reads": hits_first,
+           "read_once": once,
            "limits": {"disk": disk, "disk_by_engine": disk_by_engine, "same_shape": same_shape, "h2d": h2d}, "fractions": fractions,
            "nested_violations": nested_violations, "targets": TARGETS}
     print_table(res)
