@@ -19,7 +19,10 @@ the device).
 writes GPU memory; in KvikIO's (or cuFile's) compatibility mode the bytes go through a host bounce
 buffer. The report labels the mechanism from positive evidence only: a run is called GDS only when
 KvikIO is not in compatibility mode and the cuFile driver reports GDS available; anything else is
-reported as a bounce-buffer copy, never as direct.
+reported as a bounce-buffer copy, never as direct. Where the device supports DMA-BUF, the
+destination is also exported as a DMA-BUF (the handle a P2PDMA-capable storage driver writes GPU
+memory through) and the report says whether that worked (``facts["dma_buf"]``); the export alone
+moves no bytes and changes no label.
 
 Both routes verify every object that is not already verified where it landed: the
 kmesh-tree-sha256/v1 root of its padded payload is computed on the device
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import queue
 import threading
 import time
@@ -656,6 +660,32 @@ def direct_facts(device: torch.device) -> dict:
     return facts
 
 
+_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+
+
+def _export_dmabuf(buffer: torch.Tensor) -> dict:
+    """Export ``buffer``'s device memory as a DMA-BUF file descriptor (``cuMemGetHandleForAddressRange``),
+    the handle a P2PDMA-capable storage driver needs to write GPU memory directly; the descriptor is
+    closed again (the export is the capability check). The range is widened to whole host pages
+    inside the buffer's own allocation. Returns ``{"exported": bool, ...}`` with the reason when not."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuMemGetHandleForAddressRange
+    except (OSError, AttributeError) as exc:
+        return {"exported": False, "why": f"driver entry point unavailable ({exc})"}
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_ulonglong]
+    page = 4096
+    start = buffer.data_ptr() // page * page
+    end = -(-(buffer.data_ptr() + buffer.numel()) // page) * page
+    fd = ctypes.c_int(-1)
+    rc = fn(ctypes.byref(fd), start, end - start, _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+    if rc != 0 or fd.value < 0:
+        return {"exported": False, "why": f"cuMemGetHandleForAddressRange returned CUresult {rc}"}
+    os.close(fd.value)
+    return {"exported": True, "bytes": end - start}
+
+
 def _direct_mechanism(facts: dict) -> tuple[str, bool]:
     # Direct only on positive evidence: KvikIO resolved to cuFile and the driver reports GDS.
     if facts.get("kvikio_compat_preferred") is False and facts.get("gds_available") is True:
@@ -707,6 +737,12 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
                 memory_register(buffer)
                 registered = buffer
         report.facts["buffer_registered"] = registered is not None
+        if facts.get("device_dmabuf_supported"):
+            # the destination as a DMA-BUF: what a P2PDMA storage path would be handed; which path
+            # actually moved the bytes is the mechanism above (never called direct without evidence)
+            report.facts["dma_buf"] = _export_dmabuf(buffer)
+        else:
+            report.facts["dma_buf"] = {"exported": False, "why": "the device does not report DMA-BUF support"}
         # kvikio reads on its own threads into memory the current stream may still be using.
         _sync(device)
         streams = _Streams(device)

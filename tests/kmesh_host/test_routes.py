@@ -266,6 +266,11 @@ def test_direct_route_end_to_end(store, segments, shifted):
         assert torch.equal(got.cpu().view(torch.uint8), kv.view(torch.uint8))
     expect = reference_cache(segments, targets, layout, "cuda", rope=rope)
     assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    # The destination is exported as a DMA-BUF where the device supports it (the guide's H200 does).
+    dma = rep.facts["dma_buf"]
+    assert dma["exported"] is bool(rep.facts["device_dmabuf_supported"]), dma
+    if dma["exported"]:
+        assert dma["bytes"] >= sum(h.padded_length for h in result.headers)
     # Never call a bounce-buffer copy direct.
     if rep.direct_dma:
         assert rep.facts["gds_available"] is True and rep.facts["kvikio_compat_preferred"] is False
