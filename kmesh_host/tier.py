@@ -16,9 +16,11 @@ Routes may then restore a verified resident entry without checking it again; an 
 check is evicted, so retention never keeps bad bytes.
 
 Loads: :meth:`HostTier.start_loads` (the routes' path) queues every chunk of every missing object
-on the read pool at once, in key order, and reports chunks and finished objects through callbacks
-from the reading threads: no thread per object, and the pool keeps ``read_threads`` reads in flight
-from the first chunk to the last. :meth:`HostTier.acquire` is the blocking form for one key.
+on the reader at once, in key order (``HostTierConfig.io_engine``: io_uring where the kernel offers
+it, else a thread pool), and reports chunks and finished objects through callbacks from the thread
+that completed them (io_uring's completion thread, or a reading thread): no thread per object, and
+the reader keeps ``read_threads`` reads in flight from the first chunk to the last.
+:meth:`HostTier.acquire` is the blocking form for one key.
 
 Ownership: the tier owns every buffer. A :class:`HostLease` keeps its entry's buffer alive until
 :meth:`HostLease.release` (or the ``with`` block ends); an async copy that reads a lease's payload is
