@@ -675,3 +675,23 @@ def test_cupy_launcher_reads_the_kernel_shapes_from_the_place_module():
     assert _place_cupy.P is place_mod
     for name in ("_VEC_PER", "_VEC_LPT", "_RUN_GROUPS", "_RUN_HEADS", "_RUN_VPL", "_RUN_KVF", "_RUN_UNITS"):
         assert isinstance(getattr(_place_cupy.P, name), int)
+
+
+def test_driver_helpers_decline_without_a_driver_or_a_function(monkeypatch):
+    """_launch declines (returns False, queues nothing) when switched off, when the function has no
+    CUfunction, or when an argument does not fit 64 bits; callers then take CuPy's or torch's path."""
+    from kmesh_gpu import _launch
+
+    class NoPtr:
+        pass
+
+    assert _launch.launch(NoPtr(), (1,), (32,), 0, (1, 2)) is False
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    assert _launch.copy_htod(0, 0, 16, 0) is False
+
+    class Fn:
+        ptr = 1234
+
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    if _launch._driver() is not None:  # a machine with libcuda: an argument over 63 bits is declined
+        assert _launch.launch(Fn(), (1,), (32,), 0, (1 << 64,)) is False
