@@ -13,29 +13,21 @@ Usage (GPU machine): PYTHONPATH=. python tools/place_runs_tune.py
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 import statistics
 
 import torch
 
 from kmesh_gpu import KVLayout, RopeSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import timed  # noqa: E402
+
 pm = importlib.import_module("kmesh_gpu.place")
 L, H, D, N = 24, 2, 64, 16
 SHAPES = [(1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1), (1, 1, 1)]  # G, HB, KVF
 UNITS = [2048, 4096, 16384]
-
-
-def timed(fn, reps=7):
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def launch(kvs, cache, layout, slots, rope, olds, news, runs=True, shape=(1, 2, 0), units=4096):

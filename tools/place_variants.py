@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from kmesh_gpu import KVLayout, RopeSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import timed  # noqa: E402
+
 place_mod = importlib.import_module("kmesh_gpu.place")  # the module (the package exports the function `place`)
 T, L, H, D, N = 98304, 24, 2, 64, 16
 SHAPES = [(2, 4), (2, 8), (4, 4), (1, 8), (2, 6), (4, 2), (1, 12)]
-
-
-def timed(fn, reps=7):
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def slot_mapping(layout, order):
