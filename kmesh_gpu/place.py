@@ -517,18 +517,17 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
                 return None
     elif k_scale is not None:
         return None
-    if not _host_ints(slots, counts) or (rope is not None and not (_host_ints(olds, counts)
-                                                                   and _host_ints(news, counts))):
+    if not (_host_ints(slots, counts) if rope is None else _host_ints((*slots, *olds, *news), counts * 3)):
         return None
-    sl = (torch.cat(slots) if n > 1 else slots[0]).numpy()
     if f.cap[0] != _RUN_GROUPS:  # the kernel shape changed (tools that sweep it)
         f.cap = (_RUN_GROUPS, _run_cap(f.layout, f.rope, False))
     cap = f.cap[1] if _RUNS and be == "cupy" and f.vec16 and bits % 16 == 0 else 0
     counts_t = tuple(counts)
     if cap and _COMPILED:
-        launch = _compiled_runs(f, layout, rope, scale, be, sl, counts_t, ptrs, olds, news, cap, slots_checked)
+        launch = _compiled_runs(f, layout, rope, scale, be, slots, counts_t, ptrs, olds, news, cap, slots_checked)
         if launch is not None:
             return launch
+    sl = (torch.cat(slots) if n > 1 else slots[0]).numpy()
     lo, hi = int(np.minimum.reduce(sl)), int(np.maximum.reduce(sl))
     if not slots_checked and (lo < -1 or hi >= f.S):
         return None
@@ -593,38 +592,43 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
     return _Launch._built(layout, device, rope, scale, be, tables)
 
 
-def _compiled_runs(f: _Facts, layout, rope, scale, be: str, sl: np.ndarray, counts: tuple, ptrs: list, olds, news,
+def _compiled_runs(f: _Facts, layout, rope, scale, be: str, slots, counts: tuple, ptrs: list, olds, news,
                    cap: int, slots_checked: bool):
     """The run kernel's launch built by the compiled builder (``_host_tables``) in one pass, or
     ``None`` (no Numba, a skipped token, slots not increasing, a position out of range, or runs too
-    short to pay): the NumPy path then decides. Same buffer and table as the NumPy path."""
+    short to pay): the NumPy path then decides. The kernel reads the same table as the NumPy path
+    builds; the slots travel in the same buffer (gathered by the one concatenation that gathers the
+    positions), unread by the kernel."""
     build = _host_tables.builder()
     if build is None:
         return None
-    L, T = f.kv_shape[0], sl.size
+    L, T = f.kv_shape[0], sum(counts)
     starts = _token_index(counts, f.row)[0]
-    # [layer bases L | old, new positions 2 x T | runs R x _RUN_COLS], sized for the most runs (T)
-    host = torch.empty(L + 2 * T + T * _RUN_COLS, dtype=torch.int64, pin_memory=f.cuda)
+    # [layer bases L | old, new positions 2 x T | slots T | runs R x _RUN_COLS], sized for the most runs (T)
+    host = torch.empty(L + 3 * T + T * _RUN_COLS, dtype=torch.int64, pin_memory=f.cuda)
     h = host.numpy()
     h[:L] = f.layer_base
     if rope is not None:
-        torch.cat(list(olds) + list(news), out=host[L:L + 2 * T])
+        torch.cat((*olds, *news, *slots), out=host[L:L + 3 * T])
         pos, P = h[L:L + 2 * T], f.P
     else:
         h[L:L + 2 * T] = 0  # never read without RoPE
+        torch.cat(slots, out=host[L + 2 * T:L + 3 * T])
         pos, P = h[:0], 0
     params = f.params.get(cap)
     if params is None:
         st, vt = f.st, f.vt
         params = f.params[cap] = np.array([f.row, f.N, cap, f.S, P, st[1], st[3], layout.k_offset, vt[1], vt[3],
                                            layout.v_offset], dtype=np.int64)
-    R = build(sl, starts, _i64(ptrs), params, not slots_checked, pos, h[L + 2 * T:].reshape(T, _RUN_COLS))
+    runs_at = L + 3 * T
+    R = build(h[L + 2 * T:runs_at], starts, _i64(ptrs), params, not slots_checked, pos,
+              h[runs_at:].reshape(T, _RUN_COLS))
     if R <= 0 or 2 * T < cap * R:  # runs average under cap / 2: the per-token kernel is faster
         return None
-    dev = host[:L + 2 * T + R * _RUN_COLS].to(f.device, non_blocking=True)
+    dev = host[:runs_at + R * _RUN_COLS].to(f.device, non_blocking=True)
     p = dev.data_ptr()
     consts = f.consts if scale is None else _consts(layout, rope, scale, f.device)
-    tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * (L + 2 * T), p + 8 * L, p, R),
+    tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * runs_at, p + 8 * L, p, R),
               "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
     return _Launch._built(layout, f.device, rope, scale, be, tables)
 

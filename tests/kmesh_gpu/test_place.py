@@ -483,10 +483,13 @@ def _run_tables(launch, L):
     """(runs, old|new positions, layer bases) of a fast-path run-kernel launch, or None (per-token)."""
     if launch.tables is None or launch.tables.get("runs") is None:
         return None
-    _, _, _, R = launch.tables["run_args"]
+    runs_ptr, pos_ptr, base_ptr, R = launch.tables["run_args"]
     T = launch.tables["total"]
-    h = launch.tables["buffer"].numpy()
-    return h[L + 2 * T:L + 2 * T + 7 * R].reshape(R, 7).copy(), h[L:L + 2 * T].copy(), h[:L].copy()
+    buf = launch.tables["buffer"]
+    h = buf.numpy()
+    # where the kernel reads each table (the builders may lay the buffer out differently)
+    runs, pos, base = ((ptr - buf.data_ptr()) // 8 for ptr in (runs_ptr, pos_ptr, base_ptr))
+    return h[runs:runs + 7 * R].reshape(R, 7).copy(), h[pos:pos + 2 * T].copy(), h[base:base + L].copy()
 
 
 @pytest.mark.parametrize("with_rope", [True, False])
