@@ -320,6 +320,29 @@ class HostTier:
             self.stats["hits"] += 1
             return HostLease(self, entry, "hit")
 
+    def acquire_resident_many(self, keys, *, model_fingerprint: ModelFingerprint) -> list:
+        """:meth:`acquire_resident` of every key under one lock: a lease or ``None`` per key.
+
+        Raises FingerprintMismatch (taking no lease) when a resident key belongs to another model."""
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        with self._lock:
+            entries = self._entries
+            found = [entries.get(key) for key in keys]
+            for entry in found:
+                if entry is not None:
+                    check_fingerprint(entry.header, model_fingerprint)
+            out = []
+            for key, entry in zip(keys, found):
+                if entry is None:
+                    out.append(None)
+                    continue
+                entry.refs += 1
+                entries.move_to_end(key)
+                out.append(HostLease(self, entry, "hit"))
+            self.stats["hits"] += len(out) - out.count(None)
+            return out
+
     def acquire_async(self, key: str, *, model_fingerprint: ModelFingerprint,
                       on_chunk: Callable[[torch.Tensor, int, int], None] | None = None) -> "Future[HostLease]":
         """:meth:`acquire` on the tier's loader threads, so several objects load at once.

@@ -311,6 +311,28 @@ def test_acquire_resident_never_reads(store, keys):
     tier.close()
 
 
+def test_acquire_resident_many_leases_the_resident_keys_only(store, keys):
+    tier = tier_for(store)
+    tier.acquire(keys[1], model_fingerprint=FP).release()
+    tier.acquire(keys[2], model_fingerprint=FP).release()
+    hits = tier.stats["hits"]
+    leases = tier.acquire_resident_many([keys[0], keys[1], keys[2], keys[1]], model_fingerprint=FP)
+    assert leases[0] is None and [lease.source for lease in leases[1:]] == ["hit"] * 3
+    assert torch.equal(leases[1].kv, kv_for(1)) and torch.equal(leases[2].kv, kv_for(2))
+    assert tier.stats["hits"] == hits + 3 and tier.stats["reads"] == 2
+    tier.evict(keys[1])  # leased: leaves the tier now, its buffer goes on the last release
+    for lease in leases[1:]:
+        lease.release()
+    assert tier.acquire_resident_many([keys[1]], model_fingerprint=FP) == [None]
+    # another model's fingerprint: an error, and no lease taken on any key
+    other = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
+    with pytest.raises(FingerprintMismatch):
+        tier.acquire_resident_many([keys[2], keys[0]], model_fingerprint=other)
+    tier.evict()  # frees every buffer now only if no lease is left anywhere
+    assert tier.pool.in_use_bytes == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("verify", ["sha256", "tree", "none"])
 def test_entries_record_how_they_were_verified(store, keys, verify):
     tier = tier_for(store, verify=verify)
