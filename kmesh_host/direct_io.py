@@ -29,6 +29,7 @@ import torch
 from kmesh_gpu.errors import IntegrityError, StorageError
 
 ALIGN = 4096
+_FENCES_PRUNED_AT = 8  # a buffer's recorded copy fences are pruned (completed ones dropped) at this many
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -76,7 +77,8 @@ class HostBuffer:
         if event is None:
             return
         with self._fence_lock:
-            self._fences = [e for e in self._fences if not e.query()]
+            if len(self._fences) >= _FENCES_PRUNED_AT:  # a query costs a driver call: prune now and then
+                self._fences = [e for e in self._fences if not e.query()]
             self._fences.append(event)
 
     def wait(self) -> None:
@@ -228,6 +230,7 @@ class ReadEngine:
         self.threads = max(1, int(threads))
         self.chunk_bytes = chunk_bytes
         self._uring = self._pool = None
+        self._description = None
         self.engine, self.engine_note = "threads", "threads requested"
         if engine != "threads":
             from . import uring
@@ -245,9 +248,10 @@ class ReadEngine:
 
     @property
     def description(self) -> str:
-        if self.engine == "io_uring":
-            return f"io_uring (queue depth {self.threads})"
-        return f"os.preadv on {self.threads} threads ({self.engine_note})"
+        if self._description is None:
+            self._description = f"io_uring (queue depth {self.threads})" if self.engine == "io_uring" else \
+                f"os.preadv on {self.threads} threads ({self.engine_note})"
+        return self._description
 
     def _chunks(self, file: DirectFile, offset: int, length: int, buffer: memoryview):
         lead = offset % ALIGN

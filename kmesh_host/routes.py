@@ -406,8 +406,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
         # Resident objects are leased here, on this thread: no read and no thread hop.
-        for i, target in enumerate(targets):
-            leases[i] = tier.acquire_resident(target.key, model_fingerprint=model_fingerprint)
+        leases[:] = tier.acquire_resident_many([t.key for t in targets], model_fingerprint=model_fingerprint)
         headers = [lease.header if lease is not None else store.read_header(t.key)
                    for lease, t in zip(leases, targets)]
         for lease, h in zip(leases, headers):
@@ -428,14 +427,14 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if resident:
             handle = streams.copy_handle()
             base = buffer.data_ptr()
+            copy_htod = _driver.copy_htod if handle is not None else None
             with streams.on_copy():
                 for i in resident:
                     # pinned payloads: one driver call per copy (torch's copy_ costs several times more)
                     addr, pinned = leases[i].payload_memory()
-                    nbytes = headers[i].padded_length
-                    if not (pinned and handle is not None and _driver.copy_htod(base + offsets[i], addr, nbytes,
-                                                                                 handle)):
-                        buffer[offsets[i]: offsets[i] + nbytes].copy_(leases[i].payload, non_blocking=True)
+                    off, nbytes = offsets[i], headers[i].padded_length
+                    if not (pinned and copy_htod is not None and copy_htod(base + off, addr, nbytes, handle)):
+                        buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)
             resident_event = streams.copied()  # one event fences every resident buffer
             _stamp("resident copies issued")
             for i in resident:
@@ -443,6 +442,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         # (checks that need no data come after the copies: the DMA is running meanwhile)
         report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
                              notes=[f"reads: {engine.description}"])
+        _stamp("report made")
         if cache is not None:
             _check_placement(targets, headers, rope)
         # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
@@ -451,6 +451,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         # returned) launches its digest at once (`land`), while the other reads go on: no hop to
         # this thread sits between an object's last byte and its digest.
         verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+        _stamp("placement checked")
         failures: list = []
         missing = [i for i in range(n) if leases[i] is None]
         read_start = time.perf_counter()
@@ -505,6 +506,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                              headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
         # 3. While the bytes move: the placement (validation and launch tables).
         kvs = _kv_views(buffer, headers, offsets)
+        _stamp("views made")
         placement = None
         if cache is not None:
             tp = time.perf_counter()
@@ -536,11 +538,18 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             raise _integrity_failure(bad)
         verifier.mark_verified("host_staging")
         result = RestoreResult(report, buffer, offsets, headers, kvs)
+        _stamp("verified")
         if placement is not None:
             placement.run()
             _stamp("placement launched")
             report.placed = True
         streams.join()
+        if lean:
+            # every copy from the tier's buffers is queued and fenced (resident_event): the leases
+            # can go before the wait (a buffer is reused only after its fence)
+            for i in range(n):
+                leases[i].release()
+                leases[i] = None
         streams.sync()
         _stamp("synced")
     finally:
