@@ -11,7 +11,8 @@ One process, one host tier, the benchmark's workload (``perf/run_ssd_routes.py``
 Per phase: the median host-tier child, the median of a fixed host-only calibration (one
 ``prepare_place_many`` of the child's placement, back to back), the main thread's voluntary and
 involuntary context switches per child, how many CPUs it ran on, and the CPU time every other
-thread of the process used while the children ran (a busy neighbour thread would show here).
+thread of the process used while the children ran (a busy neighbour thread would show here), and
+the machine's busy and hypervisor-stolen CPU fractions over the phase (``/proc/stat``).
 
 Usage (GPU machine): PYTHONPATH=. python tools/host_phase_probe.py [--forced 16] [--children 40]
 """
@@ -70,6 +71,13 @@ def _switches() -> tuple[int, int]:
     return vol, inv
 
 
+def _cpu_times() -> list[int]:
+    """The whole machine's CPU jiffies (/proc/stat ``cpu`` line: user nice system idle iowait irq
+    softirq steal ...)."""
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:]]
+
+
 def _cpu_now() -> int:
     with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
         stat = f.read()
@@ -105,12 +113,14 @@ def phase(work, tier, device, n: int) -> dict:
     me = threading.get_native_id()
     before = _thread_cpu()
     sw0 = _switches()
+    jiffies0 = _cpu_times()
     walls, cpus = [], set()
     for c in range(n):
         r = work.child("host_staging", c % len(work.targets), tier, verify="device", evict=False)
         walls.append(r["restore_s"] * 1e3)
         cpus.add(_cpu_now())
     sw1 = _switches()
+    jiffies = [b - a for a, b in zip(jiffies0, _cpu_times())]
     after = _thread_cpu()
     others = {}
     for tid, (name, cpu) in after.items():
@@ -123,7 +133,11 @@ def phase(work, tier, device, n: int) -> dict:
             "prepare_alone_us": round(calibration(work, tier, device), 1),
             "voluntary_switches_per_child": round((sw1[0] - sw0[0]) / n, 2),
             "involuntary_switches_per_child": round((sw1[1] - sw0[1]) / n, 2),
-            "cpus_seen": sorted(cpus), "other_threads_cpu_ms": others}
+            "cpus_seen": sorted(cpus), "other_threads_cpu_ms": others,
+            # the machine as a whole while the children ran: busy (user+system) and stolen by the
+            # hypervisor, as fractions of all CPU time
+            "machine_busy": round((jiffies[0] + jiffies[2]) / max(1, sum(jiffies)), 4),
+            "machine_steal": round(jiffies[7] / max(1, sum(jiffies)), 4) if len(jiffies) > 7 else None}
 
 
 def main() -> None:
