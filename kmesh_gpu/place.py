@@ -505,6 +505,52 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
         counts.append(s[2])
         ptrs.append(p)
         bits |= p
+    return _fast_tables(f, be, layout, rope, slots, olds, news, k_scale, counts, ptrs, bits, slots_checked)
+
+
+def _prepare_at(addresses, shapes, dtype: torch.dtype, device: torch.device, cache, layout, slots, *, rope=None,
+                old_positions=None, new_positions=None, k_scale=None, backend: str = "auto",
+                _slots_checked: bool = False):
+    """:func:`prepare_place_many` for items given by address: item ``i`` is a contiguous ``dtype``
+    array of shape ``shapes[i]`` at device address ``addresses[i]`` on ``device``. For callers that
+    made that memory themselves (a restore's staging buffer), so that no tensor view is built before
+    the launch. Returns the launch, or ``None`` whenever the fast path does not apply (the caller
+    then passes tensor views to :func:`prepare_place_many`, which decides and names any error).
+
+    Private: a wrong address or shape lets the launch read other memory; nothing public passes one.
+    """
+    n = len(addresses)
+    if n == 0 or len(shapes) != n or len(slots) != n or not isinstance(cache, torch.Tensor):
+        return None
+    if rope is not None and (old_positions is None or new_positions is None
+                             or len(old_positions) != n or len(new_positions) != n):
+        return None
+    _check_args(layout, rope, old_positions, new_positions)
+    f = _facts(cache, layout, rope, "cache")
+    if not f.ok or device != f.device:
+        return None
+    try:
+        be = _backend.choose(backend, device)
+    except BackendError:
+        return None
+    want = layout.storage_dtype
+    if be == "torch" or (dtype is not want and storage_dtype(dtype) != want):
+        return None
+    L, H, D = f.kv_shape
+    bits = f.bits
+    for s, p in zip(shapes, addresses):
+        if len(s) != 5 or s[0] != 2 or s[1] != L or s[3] != H or s[4] != D:
+            return None
+        bits |= p
+    return _fast_tables(f, be, layout, rope, slots, old_positions, new_positions, k_scale,
+                        [s[2] for s in shapes], list(addresses), bits, _slots_checked)
+
+
+def _fast_tables(f: _Facts, be: str, layout, rope, slots, olds, news, k_scale, counts: list, ptrs: list, bits: int,
+                 slots_checked: bool):
+    """The part of :func:`_fast_prepare` after the items' checks: indices checked, tables built."""
+    device, want, n = f.device, layout.storage_dtype, len(ptrs)
+    L = f.kv_shape[0]
     T = sum(counts)
     if T == 0:
         return None

@@ -567,6 +567,63 @@ def test_compiled_run_builder_matches_numpy(monkeypatch, with_rope):
         assert seen["error"] >= 3
 
 
+@pytest.mark.parametrize("kind", ["runs", "per-token"])
+def test_prepare_at_addresses_builds_what_views_build(monkeypatch, kind):
+    """The restore routes' preparation from addresses in their staging buffer builds the same launch
+    tables as prepare_place_many on views of that buffer, and declines (None) what it does not cover."""
+    import importlib
+
+    import numpy as np
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    from kmesh_gpu import _backend
+
+    monkeypatch.setattr(_backend, "choose", lambda backend, device: "cupy")  # the CUDA backend's tables
+    gen = torch.Generator().manual_seed(5)
+    L, H, D = 2, 2, 64  # rows the run kernel takes
+    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=16, block_size=16, num_kv_heads=H, head_size=D,
+                                dtype=torch.bfloat16)
+    rope = RopeSpec(D, D, 10000.0, True, MAXPOS, torch.bfloat16)
+    T = (32, 24, 40)
+    kvs = [_segment(torch.bfloat16, t, gen, L=L, H=H, D=D) for t in T]
+    # the items end to end in one buffer, as a restore's staging buffer holds them
+    sizes = [kv.numel() * 2 for kv in kvs]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    buffer = torch.cat([kv.reshape(-1).view(torch.uint8) for kv in kvs])
+    views = [buffer[o:o + n].view(torch.bfloat16).view(kv.shape) for o, n, kv in zip(offsets, sizes, kvs)]
+    if kind == "runs":
+        slots = list(torch.split(torch.arange(16, 16 + sum(T), dtype=torch.int64), T))
+    else:  # scattered slots: the per-token kernel's tables
+        slots = list(torch.split(torch.randperm(layout.num_slots, generator=gen)[:sum(T)], T))
+    olds = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+    news = [torch.randint(0, MAXPOS, (t,), generator=gen) for t in T]
+    cache = layout.allocate(fill=0)
+    kw = dict(rope=rope, old_positions=olds, new_positions=news)
+    addresses = [buffer.data_ptr() + o for o in offsets]
+    shapes = [kv.shape for kv in kvs]
+    at = place_mod._prepare_at(addresses, shapes, torch.bfloat16, buffer.device, cache, layout, slots, **kw)
+    ref = place_mod.prepare_place_many(views, cache, layout, slots, **kw)
+    assert at is not None and set(at.tables) == set(ref.tables)
+    if kind == "runs":
+        assert at.tables["runs"] is not None
+        assert all(np.array_equal(x, y) for x, y in zip(_run_tables(at, L), _run_tables(ref, L)))
+    else:
+        assert at.tables.get("runs") is None
+        for name, value in ref.tables.items():
+            if isinstance(value, torch.Tensor):
+                a, b = at.tables[name].contiguous(), value.contiguous()
+                assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name  # bit for bit
+    # what it does not cover: the caller then prepares from views
+    bad_shape = [(2, L + 1, t, H, D) for t in T]
+    assert place_mod._prepare_at(addresses, bad_shape, torch.bfloat16, buffer.device, cache, layout, slots,
+                                 **kw) is None
+    assert place_mod._prepare_at(addresses, shapes, torch.float16, buffer.device, cache, layout, slots, **kw) is None
+    assert place_mod._prepare_at(addresses, shapes, torch.bfloat16, torch.device("meta"), cache, layout, slots,
+                                 **kw) is None
+    assert place_mod._prepare_at(addresses[:2], shapes, torch.bfloat16, buffer.device, cache, layout, slots,
+                                 **kw) is None
+
+
 @pytest.mark.parametrize("case", ["dup", "range", "neg", "pos", "dtype", "length", "kv", "kscale"])
 def test_fast_path_bad_inputs_raise_like_general(case):
     gen = torch.Generator().manual_seed(9)
