@@ -403,9 +403,27 @@ def check_issue_order(log, n_objects, *, digests):
     assert log[-1] == ("join",) and place < len(log) - 1 and not any(e[0] == "fence waited" for e in log)
 
 
-def test_forced_read_issue_order(store, segments, recorded):
+def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu")
+    # Page-cache reads of small files can finish before this thread reaches the preparation; on the
+    # GPU machine they take milliseconds. Hold each object's landing (its digest) until the placement
+    # is being prepared, as a real read would, so the order checked below does not depend on timing.
+    preparing = threading.Event()
+    recorded_prepare, real_start = routes_mod.prepare_place_many, tier.start_loads
+
+    def prepare(*a, **k):
+        preparing.set()
+        return recorded_prepare(*a, **k)
+
+    def start_loads(keys, *, on_done, **kw):
+        def held(*args):
+            preparing.wait(10)
+            return on_done(*args)
+        return real_start(keys, on_done=held, **kw)
+
+    monkeypatch.setattr(routes_mod, "prepare_place_many", prepare)
+    monkeypatch.setattr(tier, "start_loads", start_loads)
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.placed and result.report.tier_sources == {"read": 3}
