@@ -59,7 +59,7 @@ import torch
 import kmesh_gpu
 from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
-from kmesh_gpu.place import prepare_place_many
+from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
 from ._streams import _CallerStream, _Streams
 from .direct_io import ALIGN, round_up
@@ -206,10 +206,13 @@ class _Placement:
     Preparation (validation of slots and positions, launch tables) needs the objects' device
     addresses, not their bytes; it works on host copies of the indices (slot mappings from a
     scheduler are host tensors; CUDA ones are read back once) and queues one table upload on the
-    work stream, before any digest is queued there. :meth:`run` then only launches.
+    work stream, before any digest is queued there. On CUDA it takes the objects' addresses in the
+    staging buffer (no tensor view is built before the launch; the caller builds the views after
+    it), where anything unusual falls back to views. :meth:`run` then only launches.
     """
 
-    def __init__(self, kvs, targets, headers, *, cache, layout, rope, k_scale, backend, streams: _Streams):
+    def __init__(self, buffer: torch.Tensor, offsets: list[int], targets, headers, *, cache, layout, rope, k_scale,
+                 backend, streams: _Streams):
         self.streams = streams
         slots = [t.slots for t in targets]
         old = new = None
@@ -219,13 +222,45 @@ class _Placement:
             # viewed as tensors where they already are int64
             old = [torch.from_numpy(p if p.dtype == np.int64 and p.flags.writeable else p.astype(np.int64))
                    for p in (h.positions for h in headers)]
+        self.kvs = None  # the objects' views, where preparation needed them
         with streams.on_work():
-            self.launch = prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=old,
-                                             new_positions=new, k_scale=k_scale, backend=backend)
+            launch = None
+            at = _addresses(buffer, headers, offsets) if buffer.is_cuda else None
+            if at is not None:
+                launch = _prepare_at(at[0], [h.shape for h in headers], at[1], buffer.device, cache, layout, slots,
+                                     rope=rope, old_positions=old, new_positions=new, k_scale=k_scale,
+                                     backend=backend)
+            if launch is None:
+                self.kvs = _kv_views(buffer, headers, offsets)
+                launch = prepare_place_many(self.kvs, cache, layout, slots, rope=rope, old_positions=old,
+                                            new_positions=new, k_scale=k_scale, backend=backend)
+            self.launch = launch
 
     def run(self) -> None:
         with self.streams.on_work():
             self.launch.run()
+
+    @staticmethod
+    def views(placement: "_Placement | None", buffer, headers, offsets) -> list[torch.Tensor]:
+        """The objects' views for the result: those the preparation built, else new ones."""
+        if placement is not None and placement.kvs is not None:
+            return placement.kvs
+        return _kv_views(buffer, headers, offsets)
+
+
+def _addresses(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[int]):
+    """``(addresses, dtype)`` of every object's KV in ``buffer`` where all share one dtype and each
+    is exactly its shape's bytes at an aligned offset (what :func:`_kv_views` views directly);
+    else ``None``."""
+    dt = headers[0].torch_dtype
+    size = dt.itemsize
+    base = buffer.data_ptr()
+    out = []
+    for h, o in zip(headers, offsets):
+        if h.torch_dtype is not dt or o % size or h.payload_length != math.prod(h.shape) * size:
+            return None
+        out.append(base + o)
+    return out, dt
 
 
 class _Verifier:
@@ -505,13 +540,11 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
                              headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
         # 3. While the bytes move: the placement (validation and launch tables).
-        kvs = _kv_views(buffer, headers, offsets)
-        _stamp("views made")
         placement = None
         if cache is not None:
             tp = time.perf_counter()
-            placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
-                                   backend=backend, streams=streams)
+            placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
+                                   k_scale=k_scale, backend=backend, streams=streams)
             prepare_s = time.perf_counter() - tp
             _stamp("placement prepared")
         if resident:
@@ -537,12 +570,13 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 tier.evict(key)  # retention must not keep bytes that failed their check
             raise _integrity_failure(bad)
         verifier.mark_verified("host_staging")
-        result = RestoreResult(report, buffer, offsets, headers, kvs)
         _stamp("verified")
         if placement is not None:
             placement.run()
             _stamp("placement launched")
             report.placed = True
+        result = RestoreResult(report, buffer, offsets, headers, _Placement.views(placement, buffer, headers, offsets))
+        _stamp("views made")
         streams.join()
         if lean:
             # every copy from the tier's buffers is queued and fenced (resident_event): the leases
@@ -763,12 +797,11 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             files.append(f)
             futures.append(f.pread(buffer[off: off + header.padded_length], header.padded_length,
                                    header.payload_offset))
-        kvs = _kv_views(buffer, headers, offsets)
         placement = None
         if cache is not None:  # prepared while kvikio reads
             tp = time.perf_counter()
-            placement = _Placement(kvs, targets, headers, cache=cache, layout=layout, rope=rope, k_scale=k_scale,
-                                   backend=backend, streams=streams)
+            placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
+                                   k_scale=k_scale, backend=backend, streams=streams)
             prepare_s = time.perf_counter() - tp
         for target, header, off, fut in zip(targets, headers, offsets, futures):
             # A completed kvikio future means the bytes are in device memory.
@@ -783,10 +816,10 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
         verify_s, bad = verifier.finish()
         if bad:
             raise _integrity_failure(bad)
-        result = RestoreResult(report, buffer, offsets, headers, kvs)
         if placement is not None:
             placement.run()
             report.placed = True
+        result = RestoreResult(report, buffer, offsets, headers, _Placement.views(placement, buffer, headers, offsets))
         streams.join()
         streams.sync()
     finally:
