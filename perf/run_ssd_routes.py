@@ -58,6 +58,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tools"))
+import cpu_speed_map  # noqa: E402  (the interpreter-speed probe, tools/)
 
 from kmesh_gpu import KVLayout, RopeSpec  # noqa: E402
 from kmesh_gpu.errors import BackendError, StorageError  # noqa: E402
@@ -315,6 +317,16 @@ def forced_read(work: Workload, args, routes: list[str], tier: HostTier,
     return pairs, mechanisms
 
 
+def current_cpu() -> int | None:
+    """The CPU the calling thread last ran on (Linux; ``None`` elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool) -> dict:
     """Children restored from retained pinned RAM; ``trust_verified=False`` re-verifies on the device.
     ``HIT_CHILDREN`` of them (children in turn), after ``HIT_WARMUP`` untimed ones; medians."""
@@ -325,16 +337,20 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
         work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                    trust_verified=trust_verified)
     routes_mod.TRACE = trace = []  # the route's step stamps: where each child's host time goes
-    runs, steps = [], {}
+    runs, steps, cpus = [], {}, []
     try:
         for c in range(HIT_CHILDREN):
             trace.clear()
             runs.append(work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                                    trust_verified=trust_verified))
+            cpus.append(current_cpu())
             for (_, a), (name, b) in zip(trace, trace[1:]):
                 steps.setdefault(name, []).append(b - a)
     finally:
         routes_mod.TRACE = None
+    # the interpreter's speed on this thread's CPU right after the children (virtual CPUs of a
+    # shared host can run at half speed for seconds at a time; tools/cpu_speed_map.py maps them)
+    python_ns = cpu_speed_map.speed(5.0)
     assert all(r["report"].tier_sources == {"hit": args.objects} for r in runs)
     med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
     med["mechanism"] = runs[-1]["report"].mechanism
@@ -343,6 +359,8 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
     med["nested_violations"] = sum(not r["nested"] for r in runs)
     med["runs"] = len(runs)
     med["steps_s"] = {name: statistics.median(v) for name, v in steps.items()}
+    med["main_thread_cpus"] = sorted(set(cpus))  # where this thread ran (virtual CPUs may differ in speed)
+    med["python_ns_per_iteration"] = python_ns  # tools/cpu_speed_map.py's unit, measured after the children
     return med
 
 
@@ -436,7 +454,9 @@ def print_table(res: dict) -> None:
               f"{ht['restore_GB_per_s']:.2f} GB/s{extra}; placement preparation "
               f"{fmt_ms(ht['prepare_s']).strip()} ms inside it")
         print("  steps (ms since the previous one, medians): "
-              + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ht["steps_s"].items()))
+              + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ht["steps_s"].items())
+              + f"; main thread on CPU {ht.get('main_thread_cpus')}, Python speed there "
+              f"{ht.get('python_ns_per_iteration', float('nan')):.0f} ns/iteration (tools/cpu_speed_map.py)")
     ro = res["read_once"]
     reads = sorted(set(ro["reads_per_object"].values()))
     print(f"Read once: {ro['children']} children served {ro['bytes_served'] / MIB:.0f} MiB; the shared source "
