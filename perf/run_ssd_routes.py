@@ -19,7 +19,7 @@ child, 48 MiB for four) into its own paged cache slots at shifted positions (RoP
    (the device tree-root check of the forced read that loaded them, recorded on the tier entry),
    so the headline variant trusts that check (per child: one H2D per object + one place_many);
    the ``device re-verify`` variant also recomputes every root on the device. Medians of
-   ``HIT_CHILDREN`` children after ``HIT_WARMUP`` untimed ones.
+   ``--hit-children`` children (40) after ``--hit-warmup`` untimed ones (20).
 3. **Read once**: retention and singleflight on, four children started together after one
    eviction: the shared source (the four objects, 12 MiB) is read from storage once for all four
    children — every key exactly one read, 12 MiB read in all (counted per key by the tier).
@@ -329,17 +329,17 @@ def current_cpu() -> int | None:
 
 def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool) -> dict:
     """Children restored from retained pinned RAM; ``trust_verified=False`` re-verifies on the device.
-    ``HIT_CHILDREN`` of them (children in turn), after ``HIT_WARMUP`` untimed ones; medians."""
+    ``args.hit_children`` of them (children in turn), after ``args.hit_warmup`` untimed ones; medians."""
     tier.evict()
     # Load once: a forced read, verified on the device, which marks the tier entries verified.
     work.child("host_staging", 0, tier, verify=args.verify, evict=False)
-    for c in range(HIT_WARMUP):
+    for c in range(args.hit_warmup):
         work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                    trust_verified=trust_verified)
     routes_mod.TRACE = trace = []  # the route's step stamps: where each child's host time goes
     runs, steps, cpus = [], {}, []
     try:
-        for c in range(HIT_CHILDREN):
+        for c in range(args.hit_children):
             trace.clear()
             runs.append(work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                                    trust_verified=trust_verified))
@@ -521,6 +521,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-mib", type=int, default=1024, help="size of the sequential-read file")
     ap.add_argument("--no-place", dest="place", action="store_false", help="skip placement into the cache")
     ap.add_argument("--no-shift", dest="shift", action="store_false", help="place without the RoPE shift")
+    ap.add_argument("--hit-children", type=int, default=HIT_CHILDREN, help="host-tier children timed per variant")
+    ap.add_argument("--hit-warmup", type=int, default=HIT_WARMUP, help="untimed host-tier children before them")
     ap.add_argument("--keep-data", action="store_true")
     args = ap.parse_args(argv)
 

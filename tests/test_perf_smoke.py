@@ -1,0 +1,40 @@
+"""The benchmarks' CPU modes run end to end (the host side of each; the figures are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, out: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "perf" / script), "--device", "cpu", "--out", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_ssd_routes_cpu_mode(tmp_path):
+    stdout = _run("run_ssd_routes.py", "--pairs", "1", "--children", "2", "--bw-mib", "16", "--hit-children", "4",
+                  "--hit-warmup", "1", out=tmp_path)
+    res = json.loads((tmp_path / "ssd_routes.json").read_text())
+    assert res["routes"] == ["host_staging"] and "direct" in res["skipped_routes"]
+    assert res["nested_violations"] == 0
+    assert res["read_once"]["read_once"] and not res["read_once"]["errors"]
+    for name in ("host_tier", "host_tier_device_verify", "host_tier_before_forced_reads"):
+        assert res[name]["runs"] == 4 and res[name]["restore_s"] > 0 and res[name]["main_thread_cpus"]
+    assert res["limits"]["disk"]["GB_per_s"] > 0
+    assert "Read once" in stdout
+
+
+def test_bench_service_cpu_mode(tmp_path):
+    _run("bench_service.py", "--pairs", "2", "--timing-runs", "3", "--clients", "2", "--rounds", "3", out=tmp_path)
+    res = json.loads((tmp_path / "bench_service_cpu.json").read_text())
+    assert res["paired"]["bit_identical"]
+    c = res["concurrent"]
+    assert c["errors"] == 0 and c["restores"] == 6 and c["memory_back_to_baseline"]
