@@ -22,7 +22,7 @@ KvikIO is not in compatibility mode and the cuFile driver reports GDS available;
 reported as a bounce-buffer copy, never as direct. Where the device supports DMA-BUF, the
 destination is also exported as a DMA-BUF (the handle a P2PDMA-capable storage driver writes GPU
 memory through) and the report says whether that worked (``facts["dma_buf"]``); the export alone
-moves no bytes and changes no label.
+moves no bytes and changes no label. (Its code: :mod:`kmesh_host.direct_route`.)
 
 Both routes verify every object that is not already verified where it landed: the
 kmesh-tree-sha256/v1 root of its padded payload is computed on the device
@@ -45,9 +45,7 @@ trusted has nothing to overlap: its copies and placement run in order on the cal
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 import queue
 import threading
 import time
@@ -58,7 +56,7 @@ import torch
 
 import kmesh_gpu
 from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
-from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
+from kmesh_gpu.errors import IntegrityError, LayoutError
 from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
 from ._streams import _CallerStream, _Streams
@@ -69,7 +67,6 @@ from .tier import HostTier, HostTierConfig
 
 ROUTES = ("host_staging", "direct")
 VERIFY_MODES = ("device", "device-batched", "host", "none")
-_CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 
 
 @dataclass(frozen=True)
@@ -647,199 +644,6 @@ def _copy_whole(buffer: torch.Tensor, offset: int, lease, streams: _Streams):
     return event
 
 
-# ----------------------------------------------------------------------------------- direct
-def _kvikio():
-    try:
-        import kvikio
-    except ImportError as exc:
-        raise BackendError("route 'direct' needs the kvikio package (KvikIO/cuFile); it is not installed") from exc
-    return kvikio
-
-
-def _device_attribute(attribute: int, ordinal: int) -> int | None:
-    """A CUDA driver device attribute through libcuda (None where the driver cannot be asked)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        if lib.cuInit(0) != 0:
-            return None
-        dev, value = ctypes.c_int(), ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
-            return None
-        if lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev) != 0:
-            return None
-        return value.value
-    except OSError:
-        return None
-
-
-def direct_facts(device: torch.device) -> dict:
-    """What the platform offers the direct route, from the KvikIO/cuFile driver and the kernel.
-
-    Targets KvikIO >= 25.04 (``kvikio.defaults.is_compat_mode_preferred``,
-    ``kvikio.cufile_driver.get``); an older KvikIO gives ``"unknown"`` answers, which the route
-    treats as "not GDS".
-    """
-    kvikio = _kvikio()
-    facts: dict = {"kvikio_version": getattr(kvikio, "__version__", "unknown")}
-    try:
-        facts["kvikio_compat_mode"] = str(kvikio.defaults.get("compat_mode"))
-        facts["kvikio_compat_preferred"] = bool(kvikio.defaults.is_compat_mode_preferred())
-    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
-        facts["kvikio_compat_preferred"] = f"unknown ({type(exc).__name__})"
-    try:
-        import kvikio.cufile_driver as drv
-
-        facts["gds_available"] = bool(drv.get("is_gds_available"))
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
-        facts["gds_available"] = f"unknown ({type(exc).__name__})"
-    try:
-        with open("/proc/modules") as f:
-            facts["nvidia_fs_loaded"] = any(line.startswith("nvidia_fs ") for line in f)
-    except OSError:
-        facts["nvidia_fs_loaded"] = "unknown"
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    dmabuf = _device_attribute(_CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, ordinal)
-    facts["device_dmabuf_supported"] = None if dmabuf is None else bool(dmabuf)
-    return facts
-
-
-_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
-
-
-def _export_dmabuf(buffer: torch.Tensor) -> dict:
-    """Export ``buffer``'s device memory as a DMA-BUF file descriptor (``cuMemGetHandleForAddressRange``),
-    the handle a P2PDMA-capable storage driver needs to write GPU memory directly; the descriptor is
-    closed again (the export is the capability check). The range is widened to whole host pages
-    inside the buffer's own allocation. Returns ``{"exported": bool, ...}`` with the reason when not."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemGetHandleForAddressRange
-    except (OSError, AttributeError) as exc:
-        return {"exported": False, "why": f"driver entry point unavailable ({exc})"}
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_ulonglong]
-    page = 4096
-    start = buffer.data_ptr() // page * page
-    end = -(-(buffer.data_ptr() + buffer.numel()) // page) * page
-    fd = ctypes.c_int(-1)
-    rc = fn(ctypes.byref(fd), start, end - start, _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
-    if rc != 0 or fd.value < 0:
-        return {"exported": False, "why": f"cuMemGetHandleForAddressRange returned CUresult {rc}"}
-    os.close(fd.value)
-    return {"exported": True, "bytes": end - start}
-
-
-def _direct_mechanism(facts: dict) -> tuple[str, bool]:
-    # Direct only on positive evidence: KvikIO resolved to cuFile and the driver reports GDS.
-    if facts.get("kvikio_compat_preferred") is False and facts.get("gds_available") is True:
-        path = "nvidia-fs" if facts.get("nvidia_fs_loaded") is True else \
-            "kernel PCI P2PDMA (DMA-BUF capable device)" if facts.get("device_dmabuf_supported") else "cuFile"
-        return f"cuFile GPUDirect Storage: storage DMA into GPU memory via {path}", True
-    return ("KvikIO/cuFile compatibility mode: POSIX reads into a host bounce buffer, then a host-to-device "
-            "copy (NOT direct)"), False
-
-
-def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFingerprint, device="cuda",
-                   cache=None, layout=None, rope=None, k_scale=None, verify: str = "device",
-                   backend: str = "auto", hash_backend: str = "auto",
-                   register_buffer: bool = True) -> RestoreResult:
-    """Restore ``targets`` with KvikIO/cuFile reads straight into device memory (see module docstring).
-
-    Arguments as :func:`restore_host_staging`; ``register_buffer`` registers the destination with
-    cuFile (``cuFileBufRegister``) when GDS is active. Needs CUDA and the kvikio package.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise BackendError(f"route 'direct' reads into GPU memory; device {device} is not a CUDA device")
-    targets = _check_targets(targets)
-    kvikio = _kvikio()
-    facts = direct_facts(device)
-    mechanism, is_direct = _direct_mechanism(facts)
-    t0 = time.perf_counter()
-    report = RouteReport(route="direct", mechanism=mechanism, device=str(device), direct_dma=is_direct,
-                         io_engine="kvikio thread pool", facts=facts)
-    if is_direct:
-        report.notes.append("cuFile can still fall back to POSIX per file when its own allow_compat_mode is "
-                            "set and the filesystem is unsupported; cufile.log records such fallbacks")
-    files, registered, streams = [], None, None
-    prepare_s = 0.0
-    try:
-        headers = [store.read_header(t.key) for t in targets]
-        for h in headers:
-            check_fingerprint(h, model_fingerprint)
-        if cache is not None:
-            _check_placement(targets, headers, rope)
-        offsets, total = _layout_offsets(headers)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        if register_buffer and is_direct:
-            try:
-                from kvikio.buffer import memory_register
-            except ImportError:
-                report.notes.append("kvikio.buffer.memory_register unavailable: destination not registered")
-            else:
-                memory_register(buffer)
-                registered = buffer
-        report.facts["buffer_registered"] = registered is not None
-        if facts.get("device_dmabuf_supported"):
-            # the destination as a DMA-BUF: what a P2PDMA storage path would be handed; which path
-            # actually moved the bytes is the mechanism above (never called direct without evidence)
-            report.facts["dma_buf"] = _export_dmabuf(buffer)
-        else:
-            report.facts["dma_buf"] = {"exported": False, "why": "the device does not report DMA-BUF support"}
-        # kvikio reads on its own threads into memory the current stream may still be using.
-        _sync(device)
-        streams = _Streams(device)
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=False)
-        read_start = time.perf_counter()
-        futures = []
-        for target, header, off in zip(targets, headers, offsets):
-            f = kvikio.CuFile(store.local_path(target.key), "r")
-            files.append(f)
-            futures.append(f.pread(buffer[off: off + header.padded_length], header.padded_length,
-                                   header.payload_offset))
-        placement = None
-        if cache is not None:  # prepared while kvikio reads
-            tp = time.perf_counter()
-            placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
-                                   k_scale=k_scale, backend=backend, streams=streams)
-            prepare_s = time.perf_counter() - tp
-        for target, header, off, fut in zip(targets, headers, offsets, futures):
-            # A completed kvikio future means the bytes are in device memory.
-            got = fut.get()
-            if got != header.padded_length:
-                raise IntegrityError(f"segment {target.key}: read {got} of {header.padded_length} payload bytes "
-                                     "(truncated file)")
-            report.bytes_read += got
-            verifier.landed(off, header)
-        read_end = time.perf_counter()
-        report.bytes_moved = report.bytes_read
-        verify_s, bad = verifier.finish()
-        if bad:
-            raise _integrity_failure(bad)
-        if placement is not None:
-            placement.run()
-            report.placed = True
-        result = RestoreResult(report, buffer, offsets, headers, _Placement.views(placement, buffer, headers, offsets))
-        streams.join()
-        streams.sync()
-    finally:
-        if streams is not None:
-            streams.join()
-        for f in files:
-            f.close()
-        if registered is not None:
-            from kvikio.buffer import memory_deregister
-
-            _sync(device)  # the digests and placement read the buffer
-            memory_deregister(registered)
-    report.objects = len(targets)
-    report.verification = verifier.description if verify != "host" else "download + host tree-root"
-    report.verified = dict(verifier.counts)
-    report.timings = {"read_s": read_end - read_start, "verify_s": verify_s, "prepare_s": prepare_s,
-                      "restore_s": time.perf_counter() - t0}
-    return result
-
-
 def restore(route: str, store: SegmentStore, targets, **kwargs) -> RestoreResult:
     """Dispatch to :func:`restore_host_staging` (``route="host_staging"``) or :func:`restore_direct`."""
     if route == "host_staging":
@@ -850,6 +654,8 @@ def restore(route: str, store: SegmentStore, targets, **kwargs) -> RestoreResult
         return restore_direct(store, targets, **kwargs)
     raise ValueError(f"route: expected one of {ROUTES}, got {route!r}")
 
+
+from .direct_route import direct_facts, restore_direct  # noqa: E402  (it builds on the helpers above)
 
 __all__ = ["ROUTES", "RestoreTarget", "RouteReport", "RestoreResult", "restore", "restore_host_staging",
            "restore_direct", "direct_facts"]
