@@ -16,6 +16,7 @@ import torch
 
 from kmesh_gpu import BackendError, IntegrityError, LayoutError, sha256_batched, tree_digests, verify_tree_roots
 from kmesh_gpu import _backend
+from kmesh_gpu import _sha_plans
 from kmesh_gpu import sha256 as sha_mod
 from kmesh_host import tree_digest
 
@@ -501,10 +502,10 @@ def test_fast_path_new_offsets_reuse_the_shape_and_streams_get_lanes(host_lane):
     launches, checks, stream = host_lane
     data = _bytes(83, 200_000)
     raw = data.numpy().tobytes()
-    hits = sha_mod._fused_shape.cache_info().hits
+    hits = _sha_plans._fused_shape.cache_info().hits
     for o in (0, 1, 17, 4096, 100_000):
         assert _rows(tree_digests(data, [o], [70_000])) == [tree_digest(raw[o:o + 70_000])]
-    assert sha_mod._fused_shape.cache_info().hits >= hits + 4
+    assert _sha_plans._fused_shape.cache_info().hits >= hits + 4
     stream["handle"] = 5678                                     # another current stream: its own lane
     assert _rows(tree_digests(data, [3], [70_000])) == [tree_digest(raw[3:70_003])]
     assert set(sha_mod._LANES) == {(0, 1234), (0, 5678)} and set(sha_mod._COUNTERS) == set(sha_mod._LANES)
