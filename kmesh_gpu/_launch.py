@@ -1,4 +1,4 @@
-"""Kernel launches and host-to-device copies straight through the CUDA driver (ctypes).
+"""Kernel launches, host-to-device copies and event records straight through the CUDA driver (ctypes).
 
 A CuPy ``Function`` call converts every argument to a C value on each launch; with twenty
 arguments that is tens of microseconds of host time on the GPU machine, more than the placement
@@ -20,19 +20,23 @@ import threading
 
 import numpy as np
 
-_DRIVER: list = []  # [(cuLaunchKernel, cuMemcpyHtoDAsync_v2) or (None, None)], resolved once
+# [(cuLaunchKernel, cuMemcpyHtoDAsync_v2, cuEventRecord, cuStreamWaitEvent) or Nones], resolved once
+_DRIVER: list = []
 
 
 def _functions() -> tuple:
     if not _DRIVER:
-        fns = (None, None)
+        fns = (None, None, None, None)
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             launch_fn, copy_fn = lib.cuLaunchKernel, lib.cuMemcpyHtoDAsync_v2
-            launch_fn.restype = copy_fn.restype = ctypes.c_int
+            record_fn, wait_fn = lib.cuEventRecord, lib.cuStreamWaitEvent
+            launch_fn.restype = copy_fn.restype = record_fn.restype = wait_fn.restype = ctypes.c_int
             launch_fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             copy_fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-            fns = (launch_fn, copy_fn)
+            record_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            wait_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+            fns = (launch_fn, copy_fn, record_fn, wait_fn)
         except (OSError, AttributeError):
             pass
         _DRIVER.append(fns)
@@ -51,6 +55,44 @@ def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
     if fn is None:
         return False
     return fn(dst, src, nbytes, stream) == 0
+
+
+def _current_stream_slow(index: int) -> int:
+    import torch
+
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def current_stream(index: int) -> int:
+    """torch's current stream on device ``index`` as a raw ``cudaStream_t`` (no Stream object built)."""
+    global _current_stream_fn
+    if _current_stream_fn is None:
+        import torch
+
+        _current_stream_fn = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_slow
+    return _current_stream_fn(index)
+
+
+_current_stream_fn = None
+
+
+def record_event(event: int, stream: int) -> bool:
+    """``cuEventRecord``: record the CUDA event ``event`` (a ``cudaEvent_t``, e.g. a torch event's
+    ``cuda_event``; 0 is refused) on the raw stream ``stream``; ``True`` once the driver accepted it
+    (``False``: nothing was recorded, and the caller records another way)."""
+    fn = _functions()[2] if ENABLED and event else None
+    if fn is None:
+        return False
+    return fn(event, stream) == 0
+
+
+def wait_event(stream: int, event: int) -> bool:
+    """``cuStreamWaitEvent``: work queued on the raw stream ``stream`` from now on waits for the
+    event's last record; ``True`` once the driver accepted it (``False``: nothing was queued)."""
+    fn = _functions()[3] if ENABLED and event else None
+    if fn is None:
+        return False
+    return fn(stream, event, 0) == 0
 
 
 class _Slots(threading.local):

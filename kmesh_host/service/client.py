@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kmesh_gpu import _launch  # driver-level event records
 from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import protocol
@@ -232,13 +233,12 @@ class CacheClient:
         work; returns its IPC handle (64 bytes). Created once: opening an IPC event costs the service far
         more than a record costs here. Called with ``_lock`` held."""
         entry = self._events.get(reg.reg_id)
-        stream = torch.cuda.current_stream(reg.device_index)
         if entry is None:
             event = torch.cuda.Event(interprocess=True)
-            event.record(stream)  # first record creates it on the cache's device, then the handle
+            event.record(torch.cuda.current_stream(reg.device_index))  # creates it on the cache's device
             entry = self._events[reg.reg_id] = (event, bytes(event.ipc_handle()))
-        else:
-            entry[0].record(stream)
+        elif not _launch.record_event(entry[0].cuda_event, _launch.current_stream(reg.device_index)):
+            entry[0].record(torch.cuda.current_stream(reg.device_index))  # where the driver call is declined
         return entry[1]
 
     # ------------------------------------------------------------------ service state and originals

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kmesh_gpu import _launch  # driver-level event records and stream waits
 from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import _compiled, protocol
@@ -430,7 +431,8 @@ class _Service:
                 try:
                     if client_event is not None:
                         # The client's earlier writes/reads of these blocks come first.
-                        stream.wait_event(client_event)
+                        if not _launch.wait_event(stream.cuda_stream, client_event.cuda_event):
+                            stream.wait_event(client_event)
                         keepalive.append(client_event)
                     if inject and inject.get("spin_cycles"):
                         torch.cuda._sleep(int(inject["spin_cycles"]))
@@ -444,7 +446,8 @@ class _Service:
                         done = extra["free_events"].pop()
                     except IndexError:
                         done = torch.cuda.Event(blocking=True)
-                    done.record(stream)
+                    if not _launch.record_event(done.cuda_event, stream.cuda_stream):  # a new one: torch creates it
+                        done.record(stream)
             finally:
                 torch.cuda.set_stream(prev_stream)
                 if prev_device != index:

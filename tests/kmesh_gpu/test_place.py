@@ -746,8 +746,10 @@ def test_driver_helpers_decline_without_a_driver_or_a_function(monkeypatch):
         pass
 
     assert _launch.launch(NoPtr(), (1,), (32,), 0, (1, 2)) is False
+    assert _launch.record_event(0, 0) is False and _launch.wait_event(0, 0) is False  # no event: refused
     monkeypatch.setattr(_launch, "ENABLED", False)
     assert _launch.copy_htod(0, 0, 16, 0) is False
+    assert _launch.record_event(1, 0) is False and _launch.wait_event(0, 1) is False
 
     class Fn:
         ptr = 1234
