@@ -24,6 +24,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   tail -3 "$logs/pytest-gpu.log"
 fi
 if [ "$what" = all ] || [ "$what" = perf ]; then
+  # the interpreter's speed per CPU before and after: virtual CPUs of the lent machine run at full or
+  # about half speed for seconds at a time, which moves every host-bound figure below
+  python3 tools/cpu_speed_map.py --rounds 3 > "$logs/perf/cpu_speed_map_before.txt" 2>&1
   for script in perf/bench_place.py perf/run_sha256.py perf/run_ssd_routes.py perf/bench_service.py; do
     [ -f "$script" ] || continue
     name=$(basename "$script" .py)
@@ -32,6 +35,7 @@ if [ "$what" = all ] || [ "$what" = perf ]; then
     echo "exit $?" >> "$logs/perf/$name.txt"
     tail -40 "$logs/perf/$name.txt"
   done
+  python3 tools/cpu_speed_map.py --rounds 3 > "$logs/perf/cpu_speed_map_after.txt" 2>&1
 fi
 if [ "$what" = all ] || [ "$what" = demo ]; then
   timeout 300 python3 -m kmesh_vllm.cli demo --device cuda --preset qwen2.5-0.5b-shape --json "$logs/demo-cuda.json" \
