@@ -19,6 +19,7 @@ import ctypes
 import threading
 
 import numpy as np
+import torch
 
 # [(cuLaunchKernel, cuMemcpyHtoDAsync_v2, cuEventRecord, cuStreamWaitEvent) or Nones], resolved once
 _DRIVER: list = []
@@ -58,22 +59,12 @@ def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
 
 
 def _current_stream_slow(index: int) -> int:
-    import torch
-
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def current_stream(index: int) -> int:
-    """torch's current stream on device ``index`` as a raw ``cudaStream_t`` (no Stream object built)."""
-    global _current_stream_fn
-    if _current_stream_fn is None:
-        import torch
-
-        _current_stream_fn = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_slow
-    return _current_stream_fn(index)
-
-
-_current_stream_fn = None
+#: torch's current stream on device ``index`` as a raw ``cudaStream_t``, without building a torch
+#: Stream object (torch's private accessor where it has one)
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_slow
 
 
 def record_event(event: int, stream: int) -> bool:

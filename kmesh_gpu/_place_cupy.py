@@ -94,12 +94,7 @@ def _cupy_current_stream(dev_id: int):
     return cupy.cuda.Stream.null
 
 
-def _stream_handle_slow(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# torch's current stream of a device as a raw cudaStream_t, without building a torch Stream object
-_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle_slow
+_stream_handle = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
 _RUN_FNS: dict = {}  # (device, dtype, kernel shape) -> (CUDA function, cupy getDevice, cupy Device)
 
 

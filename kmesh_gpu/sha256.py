@@ -296,12 +296,7 @@ def _fused_counters(device: torch.device, index: int, stream: int, n: int, mode:
     return c
 
 
-def _stream_handle_slow(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# torch's current stream of a device as a raw cudaStream_t, without building a torch Stream object.
-_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_handle_slow
+_stream_handle = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
 _RESET = np.int32(1)
 _BLOCK = (_THREADS,)
 

@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from kmesh_gpu import _launch
+
 
 # torch's current stream as (stream_id, device_index, device_type) and its setter, without building
 # Stream objects (torch.cuda.stream's context does that and more on every entry); None where absent
@@ -43,12 +45,7 @@ def _ids(stream) -> tuple:
     return stream.stream_id, stream.device_index, stream.device_type
 
 
-def _raw_stream_slow(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# torch's current stream of a device as a raw handle, without building a Stream object
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream_slow
+_raw_stream = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
 _THREAD = threading.local()  # per thread and device: the copy and work streams, and digest side streams
 
 
