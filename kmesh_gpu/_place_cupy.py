@@ -126,20 +126,34 @@ def _runs(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, ro
     runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
     if R == 0:
         return
-    fn, getdev, device_ctx = _runs_function(dev_id, ctype)
-    L, _, H, _, D = layout.sizes
-    per_run = 1 if P._RUN_KVF else 2  # warps per (run, layer group)
+    key = (dev_id, ctype, id(layout), id(rope), gather, P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF)
+    found = _RUN_STATIC.get(key)
+    if found is None or found[0] is not layout or found[1] is not rope:
+        found = _RUN_STATIC[key] = (layout, rope, _runs_function(dev_id, ctype)) + _run_static(layout, gather, rope)
+    _, _, (fn, getdev, device_ctx), L, per_run, tail = found
     groups = min(L, max(1, -(-P._RUN_UNITS // (per_run * R))))
     lg = -(-L // groups)
     units = per_run * R * (-(-L // lg))
+    args = (runs_ptr, pos_ptr, base_ptr, np.int64(R), np.int64(tables["total"]), tail[0], np.int32(lg)) + tail[1:] \
+        + (tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
+    _launch_on(fn, getdev, device_ctx, dev_id, (-(-units // 8),), (256,), args)
+
+
+# (device, dtype, id(layout), id(rope), gather, kernel shape) -> (layout, rope, function, L, warps per run,
+# the run kernel's typed arguments that depend on the layout and RoPE only), made once
+_RUN_STATIC: dict = {}
+
+
+def _run_static(layout: KVLayout, gather: bool, rope) -> tuple:
+    L, _, H, _, D = layout.sizes
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
-    i32, i64 = np.int32, np.int64
-    args = (runs_ptr, pos_ptr, base_ptr, i64(R), i64(tables["total"]), i32(L), i32(lg), i32(H), i32(D),
-            i32(layout.k_strides[2]), i32(layout.v_strides[2]), i32(layout.k_strides[3]), i32(layout.v_strides[3]),
-            i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd), tables["cos_sin"].data_ptr(),
-            tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
-    _launch_on(fn, getdev, device_ctx, dev_id, (-(-units // 8),), (256,), args)
+    i32 = np.int32
+    tail = (i32(L), i32(H), i32(D), i32(layout.k_strides[2]), i32(layout.v_strides[2]), i32(layout.k_strides[3]),
+            i32(layout.v_strides[3]), i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd))
+    if len(_RUN_STATIC) >= 64:  # layouts come and go with caches: keep the table small
+        _RUN_STATIC.clear()
+    return L, 1 if P._RUN_KVF else 2, tail  # warps per (run, layer group)
 
 
 def _launch_on(fn, getdev, device_ctx, dev_id: int, grid: tuple, block: tuple, args: tuple) -> None:

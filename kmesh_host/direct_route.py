@@ -197,7 +197,7 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
         if placement is not None:
             placement.run()
             report.placed = True
-        result = RestoreResult(report, buffer, offsets, headers, _Placement.views(placement, buffer, headers, offsets))
+        result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
         streams.join()
         streams.sync()
     finally:

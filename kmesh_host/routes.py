@@ -120,17 +120,23 @@ class RouteReport:
         return {k: v for k, v in self.__dict__.items()}
 
 
-@dataclass
 class RestoreResult:
     """The restored objects on the device. ``buffer`` (uint8) holds every padded payload at
-    ``offsets``; ``kv[i]`` views segment ``i``'s ``(2, L, T, H, D)`` tensor inside it. The caller
+    ``offsets``; ``kv[i]`` views segment ``i``'s ``(2, L, T, H, D)`` tensor inside it (the views are
+    made on first use: a caller that only wanted the cache placed never pays for them). The caller
     owns ``buffer`` and drops it when done."""
 
-    report: RouteReport
-    buffer: torch.Tensor
-    offsets: list[int]
-    headers: list[SegmentHeader]
-    kv: list[torch.Tensor]
+    __slots__ = ("report", "buffer", "offsets", "headers", "_kv")
+
+    def __init__(self, report: RouteReport, buffer: torch.Tensor, offsets: list[int], headers: list[SegmentHeader],
+                 kv: list[torch.Tensor] | None = None):
+        self.report, self.buffer, self.offsets, self.headers, self._kv = report, buffer, offsets, headers, kv
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        if self._kv is None:
+            self._kv = _kv_views(self.buffer, self.headers, self.offsets)
+        return self._kv
 
     def segments(self) -> list[Segment]:
         return [Segment(kv=kv, token_ids=torch.from_numpy(h.token_ids.astype(np.int64)),
@@ -215,10 +221,8 @@ class _Placement:
         old = new = None
         if rope is not None:
             new = [t.new_positions for t in targets]
-            # the stored positions stay on the host (placement checks and tabulates indices there),
-            # viewed as tensors where they already are int64
-            old = [torch.from_numpy(p if p.dtype == np.int64 and p.flags.writeable else p.astype(np.int64))
-                   for p in (h.positions for h in headers)]
+            # the stored positions stay on the host (placement checks and tabulates indices there)
+            old = [h.positions_int64 for h in headers]
         self.kvs = None  # the objects' views, where preparation needed them
         with streams.on_work():
             launch = None
@@ -236,13 +240,6 @@ class _Placement:
     def run(self) -> None:
         with self.streams.on_work():
             self.launch.run()
-
-    @staticmethod
-    def views(placement: "_Placement | None", buffer, headers, offsets) -> list[torch.Tensor]:
-        """The objects' views for the result: those the preparation built, else new ones."""
-        if placement is not None and placement.kvs is not None:
-            return placement.kvs
-        return _kv_views(buffer, headers, offsets)
 
 
 def _addresses(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[int]):
@@ -472,11 +469,38 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             for i in resident:
                 leases[i].fence(resident_event)
         # (checks that need no data come after the copies: the DMA is running meanwhile)
-        report = RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
-                             notes=[f"reads: {engine.description}"])
-        _stamp("report made")
         if cache is not None:
             _check_placement(targets, headers, rope)
+        if lean:  # nothing to read or check: prepare, launch, then the bookkeeping while the GPU works
+            placement = None
+            if cache is not None:
+                tp = time.perf_counter()
+                placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
+                                       k_scale=k_scale, backend=backend, streams=streams)
+                prepare_s = time.perf_counter() - tp
+                _stamp("placement prepared")
+                placement.run()
+                _stamp("placement launched")
+            report = _new_report(device, engine)
+            report.placed = placement is not None
+            verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+            for i in range(n):
+                sources["hit"] = sources.get("hit", 0) + 1
+                report.bytes_moved += headers[i].padded_length
+                verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
+                # every copy from the tier's buffers is queued and fenced (resident_event): the
+                # leases can go before the wait (a buffer is reused only after its fence)
+                leases[i].release()
+                leases[i] = None
+            verify_s = 0.0
+            result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
+            _stamp("bookkept")
+            streams.sync()
+            _stamp("synced")
+            return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
+                                  read_start, read_end, verify_s, prepare_s, t0)
+        report = _new_report(device, engine)
+        _stamp("report made")
         # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
         # the thread that lands a chunk issues its async H2D copy on the copy stream itself, and the
         # thread that finishes an object (the tier reports it done after all its chunk callbacks
@@ -572,15 +596,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             placement.run()
             _stamp("placement launched")
             report.placed = True
-        result = RestoreResult(report, buffer, offsets, headers, _Placement.views(placement, buffer, headers, offsets))
-        _stamp("views made")
+        result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
         streams.join()
-        if lean:
-            # every copy from the tier's buffers is queued and fenced (resident_event): the leases
-            # can go before the wait (a buffer is reused only after its fence)
-            for i in range(n):
-                leases[i].release()
-                leases[i] = None
         streams.sync()
         _stamp("synced")
     finally:
@@ -604,8 +621,23 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 lease.release()
         if own_tier:
             tier.close()
+    return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
+                          read_start, read_end, verify_s, prepare_s, t0)
+
+
+def _new_report(device: torch.device, engine) -> RouteReport:
+    return RouteReport(route="host_staging", mechanism="", device=str(device), io_engine=engine.engine,
+                       notes=[f"reads: {engine.description}"])
+
+
+def _finish_report(result: RestoreResult, tier: HostTier, sources: dict, o_direct_flags: set, io_notes: set,
+                   verifier: "_Verifier", engine, device: torch.device, landed: list, read_start, read_end,
+                   verify_s: float, prepare_s: float, t0: float) -> RestoreResult:
+    """The host-staging report's facts, filled in after the restore's wait (``restore_s`` ends here)."""
     end = time.perf_counter()
     _stamp("end")
+    report = result.report
+    n = len(result.headers)
     report.objects = n
     report.tier_sources = sources
     report.pinned = tier.pin

@@ -44,6 +44,7 @@ is bound by its SHA-256 and tree root. Anything a file contains that does not ch
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -217,6 +218,13 @@ class SegmentHeader:
     @property
     def num_tokens(self) -> int:
         return self.shape[2]
+
+    @functools.cached_property
+    def positions_int64(self) -> torch.Tensor:
+        """``positions`` as an int64 CPU tensor, made once per header (it shares their memory where
+        they already are writeable int64). For readers such as the placement: never write to it."""
+        p = self.positions
+        return torch.from_numpy(p if p.dtype == np.int64 and p.flags.writeable else p.astype(np.int64))
 
     def kv_view(self, payload: torch.Tensor) -> torch.Tensor:
         """``kv`` as a view of a uint8 tensor holding the (padded) payload, on any device."""
