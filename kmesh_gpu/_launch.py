@@ -97,8 +97,38 @@ def stream_synchronize(stream: int) -> bool:
     return fns[4](stream) == 0
 
 
+def stream_query(stream: int) -> bool | None:
+    """``cuStreamQuery`` of the raw stream ``stream``: ``True`` (everything queued there has
+    completed), ``False`` (work pending), ``None`` (no driver, or an error)."""
+    fns = _event_functions() if ENABLED else None
+    if fns is None:
+        return None
+    rc = fns[5](stream)
+    return True if rc == 0 else False if rc == _NOT_READY else None
+
+
+def event_query(event: int) -> bool | None:
+    """``cuEventQuery`` of the raw event ``event``: ``True`` (its last record has completed),
+    ``False`` (not yet), ``None`` (no driver, or an error: the caller asks torch, which raises it)."""
+    fns = _event_functions() if ENABLED and event else None
+    if fns is None:
+        return None
+    rc = fns[1](event)
+    return True if rc == 0 else False if rc == _NOT_READY else None
+
+
+def event_synchronize(event: int) -> bool:
+    """``cuEventSynchronize`` of the raw event ``event`` (the GIL is released while it waits);
+    ``True`` once its last record has completed without error (``False``: no driver, or an error
+    the caller then gets from torch's wait)."""
+    fns = _event_functions() if ENABLED and event else None
+    if fns is None:
+        return False
+    return fns[2](event) == 0
+
+
 _EVENT_FNS: list = []  # [(cuEventCreate, cuEventQuery, cuEventSynchronize, cuEventDestroy_v2,
-#                          cuStreamSynchronize) or None]
+#                          cuStreamSynchronize, cuStreamQuery) or None]
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING
 
@@ -110,12 +140,13 @@ def _event_functions():
             lib = ctypes.CDLL("libcuda.so.1")
             create, query = lib.cuEventCreate, lib.cuEventQuery
             sync, destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
-            stream_sync = lib.cuStreamSynchronize
-            for f in (create, query, sync, destroy, stream_sync):
+            stream_sync, stream_query = lib.cuStreamSynchronize, lib.cuStreamQuery
+            for f in (create, query, sync, destroy, stream_sync, stream_query):
                 f.restype = ctypes.c_int
             create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-            query.argtypes = sync.argtypes = destroy.argtypes = stream_sync.argtypes = [ctypes.c_void_p]
-            fns = (create, query, sync, destroy, stream_sync)
+            for f in (query, sync, destroy, stream_sync, stream_query):
+                f.argtypes = [ctypes.c_void_p]
+            fns = (create, query, sync, destroy, stream_sync, stream_query)
         except (OSError, AttributeError):
             pass
         _EVENT_FNS.append(fns)
