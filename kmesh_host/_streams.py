@@ -45,6 +45,14 @@ def _ids(stream) -> tuple:
     return stream.stream_id, stream.device_index, stream.device_type
 
 
+def on_stream(stream, ids: tuple):
+    """``with``: ``stream`` (``ids``: its :func:`_ids`) is torch's current stream, and its device the
+    current device, inside the block; torch's raw setter where it has one, its context otherwise."""
+    if _GET_STREAM is None or _SET_STREAM is None:
+        return torch.cuda.stream(stream)
+    return _On(ids)
+
+
 _raw_stream = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
 _THREAD = threading.local()  # per thread and device: the copy and work streams, and digest side streams
 

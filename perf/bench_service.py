@@ -31,6 +31,10 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   (the reply goes after the service has seen the copy's completion event). Reports medians per path
   and the median of the paired ratios (target <= 1.15; headline: the default mode) and checks that
   both paths give identical bits.
+* Back to back (``--back-to-back``, 41 by default): each path run that many times in a row, for the
+  steady state of a worker using one path only (see :func:`back_to_back`): the alternating pairs
+  make both paths pay for the GPU switching between the two processes' CUDA contexts (no MPS on
+  the machine), a worker restoring only through one path pays it on the service path only.
 * Concurrency: ``--clients`` processes (16) each register their own cache and restore the child
   ``--rounds`` times; reports throughput, errors, and the service's device memory and open IPC
   mappings before and after (they must return to the baseline).
@@ -259,6 +263,45 @@ def stage_medians(rows) -> list:
     return out
 
 
+def back_to_back(args, client) -> dict:
+    """Each path run ``args.back_to_back`` times in a row (medians, us): the steady state of a
+    worker that restores through one path only. The paired runs above alternate the paths, and on
+    a GPU without MPS every switch between the client's and the service's CUDA contexts costs both
+    paths alike; here the in-process path runs with no other context in between, the service path
+    with the client on the default stream (its interprocess event recorded before each request,
+    a command of the client's context between the service's copies) and on an idle side stream
+    (no event recorded: nothing of the client's context runs between them)."""
+    device = args.device
+    layout, rope, plan = child_layout(), child_rope(), index_inputs(child_plan(), args.inputs)
+    resident = [(k, kv.to(device), p) for k, kv, p in originals()]
+    shared, registrable, _ = _alloc(layout, device)
+    local = layout.allocate(device, fill=0)
+    reg = client.register(registrable, layout, rope=rope)
+    items = [RestoreItem(k, s, p) for k, s, p in plan]
+
+    def timed(fn) -> float:
+        for _ in range(5):
+            fn()
+        out = []
+        for _ in range(args.back_to_back):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out) * 1e6
+
+    rows = {"in_process": timed(lambda: in_process_restore(local, layout, rope, resident, plan, device)),
+            "service_default_stream": timed(lambda: client.restore(reg, items))}
+    if device == "cuda":
+        with torch.cuda.stream(torch.cuda.Stream()):
+            rows["service_idle_side_stream"] = timed(lambda: client.restore(reg, items))
+    client.close_registration(reg, timeout=120)
+    registrable = None
+    if shared is not None:
+        shared.close()
+    rows["ratios"] = {k: rows[k] / rows["in_process"] for k in rows if k.startswith("service")}
+    return {"runs": args.back_to_back, "median_us": rows}
+
+
 def concurrent(args, client, socket_path) -> dict:
     ctx = mp.get_context("spawn")
     before = client.status()
@@ -308,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=21)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timing-runs", type=int, default=21, help="restores with a per-stage breakdown (0: none)")
+    ap.add_argument("--back-to-back", type=int, default=41,
+                    help="restores per path run in a row for the steady-state figures (0: skip them)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--inputs", choices=("tensors", "lists"), default="tensors",
@@ -328,13 +373,15 @@ def main(argv=None) -> int:
         for key, kv, pos in originals():
             client.put(key, kv, pos)
         pair = paired(args, client, socket_path)
+        steady = back_to_back(args, client) if args.back_to_back > 0 else None
         conc = concurrent(args, client, socket_path) if args.clients > 0 else None
     shutil.rmtree(sock_dir, ignore_errors=True)
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
-              "index_inputs": args.inputs, "polling": spins, "paired": pair, "concurrent": conc,
+              "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
+              "concurrent": conc,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_service_{args.device}.json")
@@ -354,6 +401,10 @@ def main(argv=None) -> int:
         lo, hi = row["paired_ratio_quartiles"]
         print(f"  mode {m:<8} service median {row['service_median_ms']:.3f} ms, "
               f"median paired ratio {row['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f})")
+    if steady:
+        m = steady["median_us"]
+        print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "
+              + ", ".join(f"{k.replace('_', ' ')} {m[k]:.1f} us ({r:.2f}x)" for k, r in m["ratios"].items()))
     if pair["stages_us"]:
         print(f"service path stages, median of {args.timing_runs} restores (us):")
         for label, us in pair["stages_us"]:

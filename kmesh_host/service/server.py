@@ -58,6 +58,7 @@ import torch
 from kmesh_gpu import _launch  # driver-level event records and stream waits
 from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
+from .._streams import _ids, on_stream
 from . import _compiled, protocol
 from .completions import CudaEventCompletion, RefusingCompletion
 from .memory import DeviceMappings, MemoryHandle, open_handle
@@ -446,11 +447,12 @@ class _Service:
             stream, index = extra["stream"], extra["device_index"]
             # What ``with torch.cuda.device(index), torch.cuda.stream(stream)`` does, for a fraction of
             # its Python cost (those resolve the current device several times and build Stream
-            # objects): making a stream current also makes its device current; afterwards the
-            # device's previous stream and the thread's previous device are put back.
+            # objects): making a stream current also makes its device current (torch's raw setter,
+            # as kmesh_host._streams does); afterwards the device's previous stream and the
+            # thread's previous device are put back.
             prev_device = torch.cuda.current_device()
-            prev_stream = torch.cuda.current_stream(index)
-            torch.cuda.set_stream(stream)
+            switch = on_stream(stream, extra["stream_ids"])
+            switch.__enter__()
             try:
                 try:
                     if client_event is not None:
@@ -477,7 +479,7 @@ class _Service:
                     if not _launch.record_event(done.cuda_event, stream.cuda_stream):  # a new one: torch creates it
                         done.record(stream)
             finally:
-                torch.cuda.set_stream(prev_stream)
+                switch.__exit__(None, None, None)
                 if prev_device != index:
                     torch.cuda.set_device(prev_device)
             completion = CudaEventCompletion(done, spin_s=self.config.completion_spin_s if self._inflight <= 1 else 0.0,
@@ -583,6 +585,7 @@ class _Service:
                      "num_positions": None if rope is None else int(rope.num_positions)}
             if cache.device.type == "cuda":
                 extra["stream"] = torch.cuda.Stream(device=cache.device)
+                extra["stream_ids"] = _ids(extra["stream"])
                 extra["device_index"] = cache.device.index
                 extra["free_events"] = []  # completion events to record again (see restore)
                 # recorded after each signalled restore's copy; the client waits on it (interprocess)
