@@ -502,11 +502,16 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
 
 
 def check_fingerprint(header: SegmentHeader, model_fingerprint: ModelFingerprint) -> None:
+    # the fingerprint object this header last passed with (fingerprints are immutable): a
+    # restore's resident objects are checked on every call, by the same caller's object
+    if header.__dict__.get("_fingerprint_passed") is model_fingerprint:
+        return
     if not isinstance(model_fingerprint, ModelFingerprint):
         raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
     if header.fingerprint != model_fingerprint:
         diff = "; ".join(header.fingerprint.differences(model_fingerprint)) or "digest differs"
         raise FingerprintMismatch(f"segment {header.key}: saved by a different model ({diff})")
+    header.__dict__["_fingerprint_passed"] = model_fingerprint
 
 
 def check_payload(header: SegmentHeader, payload, *, sha: bool = True, tree: bool = False) -> None:

@@ -24,13 +24,14 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
 
 * Paired comparison: the same restore in-process (resident originals -> place_many)
   and through the service (request -> the service does the same into the registered cache), each
-  pair rotating which path goes first, ``--pairs`` pairs (21 by default; the quartiles of the paired ratios are reported too). On CUDA the service
-  path is measured both ways a waiting restore can end: "signal" (the default: the reply goes once
-  the copy is submitted, the client then waits on the registration's interprocess signal event,
-  recorded after the copy; the service drains the operation right after its reply) and "plain"
-  (the reply goes after the service has seen the copy's completion event). Reports medians per path
-  and the median of the paired ratios (target <= 1.15; headline: the default mode) and checks that
-  both paths give identical bits.
+  pair rotating which path goes first, ``--pairs`` pairs (21 by default; the quartiles of the
+  paired ratios are reported too). On CUDA the service path is measured both ways a waiting
+  restore can end: "plain" (the client's default: the reply goes after the service has seen the
+  copy's completion event) and "signal" (the reply goes once the copy is submitted, the client then
+  waits on the registration's interprocess signal event, recorded after the copy; the service
+  drains the operation right after its reply). Reports medians per path and the median of the
+  paired ratios (target <= 1.15; headline: the default mode) and checks that both paths give
+  identical bits.
 * Back to back (``--back-to-back``, 41 by default): each path run that many times in a row, for the
   steady state of a worker using one path only (see :func:`back_to_back`): the alternating pairs
   make both paths pay for the GPU switching between the two processes' CUDA contexts (no MPS on
@@ -199,10 +200,11 @@ def paired(args, client, socket_path) -> dict:
         client.restore(reg, items)
         return time.perf_counter() - t0
 
-    # the service's two ways to end a waiting restore, measured side by side: the reply once the copy
-    # is submitted and the client's wait on the signal event (the default), or the reply after
-    # the service has seen the copy finish ("plain"); host memory has only the latter
-    modes = {"signal": True, "plain": False} if device == "cuda" else {"plain": False}
+    # the service's two ways to end a waiting restore, measured side by side: the reply after the
+    # service has seen the copy finish ("plain", the client's default), or the reply once the copy
+    # is submitted and the client's wait on the signal event ("signal"); host memory has only the
+    # former
+    modes = {"plain": False, "signal": True} if device == "cuda" else {"plain": False}
     runs = [("local", run_local)] + [(m, (lambda s=s: run_service(s))) for m, s in modes.items()]
     for _ in range(args.warmup):
         for _, run in runs:
@@ -222,7 +224,7 @@ def paired(args, client, socket_path) -> dict:
             client.restore(reg, items, timings=True)
             rows.append(client.last_timings)
         stages = stage_medians(rows)
-    client.signal_wait = True
+    client.signal_wait = False
     client.close_registration(reg, timeout=120)
     svc_cache = registrable = None
     if shared is not None:

@@ -134,13 +134,14 @@ class CacheClient:
     that queue) is waited for asleep.
     ``signal_wait``: a waiting restore into CUDA memory asks to be answered once its copy is
     submitted and then waits on the registration's signal event, which the service records after
-    the copy (``False``: the reply comes after the service has seen the copy finish). Either way
-    :meth:`restore` returns once the copy has physically finished.
+    the copy (default ``False``: the reply comes after the service has seen the copy finish; on
+    the H200 we measured, neither is faster: perf/RESULTS.md). Either way :meth:`restore` returns
+    once the copy has physically finished.
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
                  max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None,
-                 signal_wait: bool = True):
+                 signal_wait: bool = False):
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout

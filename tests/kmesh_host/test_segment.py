@@ -89,6 +89,25 @@ def test_encoding_layout_digests_and_plain_pyarrow(T):
     assert table.schema.metadata[b"kmesh.payload_offset"] == f"{h.payload_offset:016d}".encode()
 
 
+def test_fingerprint_check_remembers_only_the_object_that_passed():
+    """check_fingerprint skips the comparison for the very object a header last passed with; any
+    other object, equal or not, is compared, so a mismatch is never missed."""
+    from kmesh_host import FingerprintMismatch
+    from kmesh_host.segment import check_fingerprint
+
+    fp = fingerprint()
+    h = _parse(encode_segment(make_kv(), torch.arange(5), torch.arange(5), model_fingerprint=fp)[1])
+    check_fingerprint(h, fp)
+    check_fingerprint(h, fp)
+    with pytest.raises(FingerprintMismatch):
+        check_fingerprint(h, fingerprint(L=3))
+    check_fingerprint(h, fingerprint())  # equal, another object: compared, passes
+    with pytest.raises(FingerprintMismatch):
+        check_fingerprint(h, fingerprint(H=4))
+    with pytest.raises(LayoutError):
+        check_fingerprint(h, "not a fingerprint")
+
+
 def test_key_is_content_derived():
     fp = fingerprint()
     kv = make_kv()

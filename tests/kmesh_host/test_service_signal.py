@@ -108,7 +108,7 @@ def test_signalled_restore_returns_after_a_slow_copy(service):
     pos = torch.arange(len(SLOTS), dtype=torch.int64)
     new = [300 + i for i in range(len(SLOTS))]
     want = _reference(layout, kv, pos, new)
-    with CacheClient(service.socket_path, timeout=120) as client:
+    with CacheClient(service.socket_path, timeout=120, signal_wait=True) as client:
         client.put(key, kv, pos)
         cache = _poisoned(layout)
         reg = client.register(cache, layout, rope=small_rope())
