@@ -20,7 +20,7 @@ from kmesh_gpu.errors import BackendError, IntegrityError
 
 from ._streams import _Streams
 from .routes import (RestoreResult, RouteReport, _check_placement, _check_targets, _integrity_failure,
-                     _layout_offsets, _Placement, _sync, _Verifier)
+                     _layout_offsets, _sync, _timed_placement, _Verifier)
 from .segment import ModelFingerprint, check_fingerprint
 from .store import SegmentStore
 
@@ -175,12 +175,9 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
             files.append(f)
             futures.append(f.pread(buffer[off: off + header.padded_length], header.padded_length,
                                    header.payload_offset))
-        placement = None
-        if cache is not None:  # prepared while kvikio reads
-            tp = time.perf_counter()
-            placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
-                                   k_scale=k_scale, backend=backend, streams=streams)
-            prepare_s = time.perf_counter() - tp
+        # prepared while kvikio reads
+        placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, cache=cache, layout=layout,
+                                                rope=rope, k_scale=k_scale, backend=backend, streams=streams)
         for target, header, off, fut in zip(targets, headers, offsets, futures):
             # A completed kvikio future means the bytes are in device memory.
             got = fut.get()

@@ -471,14 +471,10 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         # (checks that need no data come after the copies: the DMA is running meanwhile)
         if cache is not None:
             _check_placement(targets, headers, rope)
+        placing = dict(cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend, streams=streams)
         if lean:  # nothing to read or check: prepare, launch, then the bookkeeping while the GPU works
-            placement = None
-            if cache is not None:
-                tp = time.perf_counter()
-                placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
-                                       k_scale=k_scale, backend=backend, streams=streams)
-                prepare_s = time.perf_counter() - tp
-                _stamp("placement prepared")
+            placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
+            if placement is not None:
                 placement.run()
                 _stamp("placement launched")
             report = _new_report(device, engine)
@@ -561,13 +557,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
                              headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
         # 3. While the bytes move: the placement (validation and launch tables).
-        placement = None
-        if cache is not None:
-            tp = time.perf_counter()
-            placement = _Placement(buffer, offsets, targets, headers, cache=cache, layout=layout, rope=rope,
-                                   k_scale=k_scale, backend=backend, streams=streams)
-            prepare_s = time.perf_counter() - tp
-            _stamp("placement prepared")
+        placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
         if resident:
             with land_lock:
                 # Digests and placement read the resident objects only after their copies.
@@ -623,6 +613,17 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             tier.close()
     return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
                           read_start, read_end, verify_s, prepare_s, t0)
+
+
+def _timed_placement(buffer, offsets, targets, headers, *, cache, **kwargs) -> tuple:
+    """``(the prepared _Placement, seconds it took)``; ``(None, 0.0)`` without a cache to place into."""
+    if cache is None:
+        return None, 0.0
+    tp = time.perf_counter()
+    placement = _Placement(buffer, offsets, targets, headers, cache=cache, **kwargs)
+    seconds = time.perf_counter() - tp
+    _stamp("placement prepared")
+    return placement, seconds
 
 
 def _new_report(device: torch.device, engine) -> RouteReport:

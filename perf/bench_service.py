@@ -132,6 +132,14 @@ def as_index_tensor(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
+def child_setup(device: str, inputs: str = "tensors") -> tuple:
+    """``(layout, rope, plan, resident)``: the child's cache layout and RoPE spec, its plan with the
+    index inputs of ``inputs`` (:func:`index_inputs`), and the originals already on ``device`` (as
+    the in-process path restores them)."""
+    resident = [(k, kv.to(device), p) for k, kv, p in originals()]
+    return child_layout(), child_rope(), index_inputs(child_plan(), inputs), resident
+
+
 def in_process_restore(cache, layout, rope, resident_originals, plan, device: str) -> None:
     """``resident_originals``: ``(key, kv, positions)`` with ``kv`` already on ``device``; ``plan``:
     ``(key, slots, new_positions)`` from :func:`index_inputs`."""
@@ -181,8 +189,7 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
 
 def paired(args, client, socket_path) -> dict:
     device = args.device
-    layout, rope, plan = child_layout(), child_rope(), index_inputs(child_plan(), args.inputs)
-    resident = [(k, kv.to(device), p) for k, kv, p in originals()]  # uploaded once, like the service's copies
+    layout, rope, plan, resident = child_setup(device, args.inputs)  # uploaded once, like the service's copies
     sync(device)
     shared, registrable, svc_cache = _alloc(layout, device)
     local = layout.allocate(device, fill=0)
@@ -274,8 +281,7 @@ def back_to_back(args, client) -> dict:
     a command of the client's context between the service's copies) and on an idle side stream
     (no event recorded: nothing of the client's context runs between them)."""
     device = args.device
-    layout, rope, plan = child_layout(), child_rope(), index_inputs(child_plan(), args.inputs)
-    resident = [(k, kv.to(device), p) for k, kv, p in originals()]
+    layout, rope, plan, resident = child_setup(device, args.inputs)
     shared, registrable, _ = _alloc(layout, device)
     local = layout.allocate(device, fill=0)
     reg = client.register(registrable, layout, rope=rope)

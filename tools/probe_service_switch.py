@@ -44,8 +44,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=41)
     args = ap.parse_args()
     device = "cuda"
-    layout, rope, plan = bs.child_layout(), bs.child_rope(), bs.index_inputs(bs.child_plan(), "tensors")
-    resident = [(k, kv.to(device), p) for k, kv, p in bs.originals()]
+    layout, rope, plan, resident = bs.child_setup(device)
     local = layout.allocate(device, fill=0)
     d = tempfile.mkdtemp(prefix="kmsp-")
     path = os.path.join(d, "svc", "kmesh.sock")

@@ -18,11 +18,14 @@ import torch
 from kmesh_gpu import _launch
 
 
-def per_call(fn, repeat: int, sync_every: int = 16) -> float:
-    """Median over batches of ``sync_every`` calls (synchronised between batches, outside the timing)."""
+def per_call(fn, repeat: int, sync_every: int = 16, before=None) -> float:
+    """Median over batches of ``sync_every`` calls (synchronised between batches, outside the timing;
+    ``before()``, when given, also runs untimed ahead of each batch)."""
     times = []
     for _ in range(max(1, repeat // sync_every)):
         torch.cuda.synchronize()
+        if before is not None:
+            before()
         t = time.perf_counter()
         for _ in range(sync_every):
             fn()

@@ -31,8 +31,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     device = "cuda"
-    layout, rope, plan = bs.child_layout(), bs.child_rope(), bs.index_inputs(bs.child_plan(), "tensors")
-    resident = [(k, kv.to(device), p) for k, kv, p in bs.originals()]
+    layout, rope, plan, resident = bs.child_setup(device)
     cache = layout.allocate(device, fill=0)
     counts = {"fast": 0, "fast returned None": 0, "compiled": 0, "compiled returned None": 0}
     real_fast, real_comp = place_mod._fast_prepare, place_mod._compiled_runs

@@ -26,24 +26,14 @@ import torch
 from kmesh_gpu import RopeSpec, _launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_driver_calls as pdc  # noqa: E402
 import profile_place_prepare as ppp  # noqa: E402
 
 place_mod = importlib.import_module("kmesh_gpu.place")
 cupy_mod = importlib.import_module("kmesh_gpu._place_cupy")
 
 
-def per_call(fn, repeat: int, batch: int = 16, before=None) -> float:
-    """Median over batches of ``batch`` calls, synchronised between batches (outside the timing)."""
-    times = []
-    for _ in range(max(1, repeat // batch)):
-        torch.cuda.synchronize()
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        times.append((time.perf_counter() - t) / batch * 1e6)
-    return statistics.median(times)
+per_call = pdc.per_call  # (fn, repeat, batch, before): median µs per call
 
 
 def main() -> None:

@@ -89,12 +89,18 @@ def _poisoned(layout):
     return cache
 
 
-def _reference(layout, kv, pos, new):
+def _original(name: str, first_new: int):
+    """``(layout, key, kv, positions, new positions, the expected cache bytes)`` of one original
+    restored into SLOTS of a poisoned cache with its keys shifted to ``first_new``..."""
+    layout = small_layout()
+    kv = torch.randn(2, 2, len(SLOTS), 2, 8).to(torch.bfloat16)
+    pos = torch.arange(len(SLOTS), dtype=torch.int64)
+    new = [first_new + i for i in range(len(SLOTS))]
     ref = _poisoned(layout)
     place_many([kv.cuda()], ref, layout, [torch.tensor(SLOTS)], rope=small_rope(), old_positions=[pos],
                new_positions=[torch.tensor(new)])
     torch.cuda.synchronize()
-    return ref.view(torch.uint8).cpu()
+    return layout, f"{name}-{os.getpid()}", kv, pos, new, ref.view(torch.uint8).cpu()
 
 
 @pytest.mark.gpu
@@ -102,12 +108,7 @@ def test_signalled_restore_returns_after_a_slow_copy(service):
     """The copy is held back by a spin kernel queued ahead of it on the service's stream: the
     signalled restore still returns only after it has landed (read without any synchronisation of
     the service's stream), and the service has drained the operation by the next request."""
-    layout = small_layout()
-    key = f"sig-slow-{os.getpid()}"
-    kv = torch.randn(2, 2, len(SLOTS), 2, 8).to(torch.bfloat16)
-    pos = torch.arange(len(SLOTS), dtype=torch.int64)
-    new = [300 + i for i in range(len(SLOTS))]
-    want = _reference(layout, kv, pos, new)
+    layout, key, kv, pos, new, want = _original("sig-slow", 300)
     with CacheClient(service.socket_path, timeout=120, signal_wait=True) as client:
         client.put(key, kv, pos)
         cache = _poisoned(layout)
@@ -134,12 +135,7 @@ def test_signalled_restore_returns_after_a_slow_copy(service):
 
 @pytest.mark.gpu
 def test_signalled_and_plain_restores_give_the_same_bits(service):
-    layout = small_layout()
-    key = f"sig-same-{os.getpid()}"
-    kv = torch.randn(2, 2, len(SLOTS), 2, 8).to(torch.bfloat16)
-    pos = torch.arange(len(SLOTS), dtype=torch.int64)
-    new = [40 + i for i in range(len(SLOTS))]
-    want = _reference(layout, kv, pos, new)
+    layout, key, kv, pos, new, want = _original("sig-same", 40)
     got = {}
     for signal in (True, False):
         with CacheClient(service.socket_path, timeout=120, signal_wait=signal) as client:
@@ -162,12 +158,7 @@ def test_client_records_its_event_only_when_its_stream_has_work(service):
     """On a side stream with nothing queued the request carries no event (nothing to wait for); with
     work queued it does, and the restore lands after that work; the legacy default stream always
     records (a record there also covers other blocking streams, which a query of it does not)."""
-    layout = small_layout()
-    key = f"sig-side-{os.getpid()}"
-    kv = torch.randn(2, 2, len(SLOTS), 2, 8).to(torch.bfloat16)
-    pos = torch.arange(len(SLOTS), dtype=torch.int64)
-    new = [70 + i for i in range(len(SLOTS))]
-    want = _reference(layout, kv, pos, new)
+    layout, key, kv, pos, new, want = _original("sig-side", 70)
     with CacheClient(service.socket_path, timeout=120) as client:
         client.put(key, kv, pos)
         cache = _poisoned(layout)
