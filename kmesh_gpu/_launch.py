@@ -117,16 +117,6 @@ def event_query(event: int) -> bool | None:
     return True if rc == 0 else False if rc == _NOT_READY else None
 
 
-def event_synchronize(event: int) -> bool:
-    """``cuEventSynchronize`` of the raw event ``event`` (the GIL is released while it waits);
-    ``True`` once its last record has completed without error (``False``: no driver, or an error
-    the caller then gets from torch's wait)."""
-    fns = _event_functions() if ENABLED and event else None
-    if fns is None:
-        return False
-    return fns[2](event) == 0
-
-
 _EVENT_FNS: list = []  # [(cuEventCreate, cuEventQuery, cuEventSynchronize, cuEventDestroy_v2,
 #                          cuStreamSynchronize, cuStreamQuery) or None]
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY

@@ -23,15 +23,10 @@ Seed-size child (seed §24): 4 shared segments of 104 tokens, 24 layers, 2 KV he
 bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block size 16).
 
 * Paired comparison: the same restore in-process (resident originals -> place_many)
-  and through the service (request -> the service does the same into the registered cache), each
-  pair rotating which path goes first, ``--pairs`` pairs (21 by default; the quartiles of the
-  paired ratios are reported too). On CUDA the service path is measured both ways a waiting
-  restore can end: "plain" (the client's default: the reply goes after the service has seen the
-  copy's completion event) and "signal" (the reply goes once the copy is submitted, the client then
-  waits on the registration's interprocess signal event, recorded after the copy; the service
-  drains the operation right after its reply). Reports medians per path and the median of the
-  paired ratios (target <= 1.15; headline: the default mode) and checks that both paths give
-  identical bits.
+  and through the service (request -> the service does the same into the registered cache ->
+  reply after the copy's event completed), alternating which goes first, ``--pairs`` pairs (21 by
+  default). Reports medians per path, the median and quartiles of the paired ratios (target
+  <= 1.15) and checks that both paths give identical bits.
 * Back to back (``--back-to-back``, 41 by default): each path run that many times in a row, for the
   steady state of a worker using one path only (see :func:`back_to_back`): the alternating pairs
   make both paths pay for the GPU switching between the two processes' CUDA contexts (no MPS on
@@ -42,9 +37,8 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
 
 * Stage breakdown (``--timing-runs``, 21 by default, after the paired runs so they do not perturb
   them): further service restores with ``timings=True``; prints the median time between
-  consecutive stages (client: start, built, sent, received, signalled; service: received, parsed,
-  validated, resolved, prepared, launched, completed (plain mode), reply_sent; one monotonic clock
-  for both processes).
+  consecutive stages (client: start, built, sent, received; service: received, parsed, validated,
+  resolved, prepared, launched, completed, reply_sent; one monotonic clock for both processes).
   ``client.sent`` is stamped once ``sendmsg`` has returned, so the service may have stamped
   ``received`` before it: single rows of ``sent -> service.received`` can be negative.
 
@@ -201,29 +195,23 @@ def paired(args, client, socket_path) -> dict:
         in_process_restore(local, layout, rope, resident, plan, device)
         return time.perf_counter() - t0
 
-    def run_service(signal: bool):
-        client.signal_wait = signal
+    def run_service():
         t0 = time.perf_counter()
         client.restore(reg, items)
         return time.perf_counter() - t0
 
-    # the service's two ways to end a waiting restore, measured side by side: the reply after the
-    # service has seen the copy finish ("plain", the client's default), or the reply once the copy
-    # is submitted and the client's wait on the signal event ("signal"); host memory has only the
-    # former
-    modes = {"plain": False, "signal": True} if device == "cuda" else {"plain": False}
-    runs = [("local", run_local)] + [(m, (lambda s=s: run_service(s))) for m, s in modes.items()]
     for _ in range(args.warmup):
-        for _, run in runs:
-            run()
+        run_local()
+        run_service()
     identical = torch.equal(local.view(torch.uint8).cpu(), svc_cache.view(torch.uint8).cpu())
-    times: dict = {name: [] for name, _ in runs}
-    for i in range(args.pairs):  # each pair rotates which path goes first
-        k = i % len(runs)
-        for name, run in runs[k:] + runs[:k]:
-            times[name].append(run())
-    head = next(iter(modes))  # the headline: the default mode
-    client.signal_wait = modes[head]
+    loc, svc = [], []
+    for i in range(args.pairs):  # alternating which path goes first
+        if i % 2 == 0:
+            loc.append(run_local())
+            svc.append(run_service())
+        else:
+            svc.append(run_service())
+            loc.append(run_local())
     stages = None
     if args.timing_runs > 0:
         rows = []
@@ -231,36 +219,27 @@ def paired(args, client, socket_path) -> dict:
             client.restore(reg, items, timings=True)
             rows.append(client.last_timings)
         stages = stage_medians(rows)
-    client.signal_wait = False
     client.close_registration(reg, timeout=120)
     svc_cache = registrable = None
     if shared is not None:
         shared.close()
-    loc, svc = times["local"], times[head]
-    out = {"mode": head, "in_process_ms": [x * 1e3 for x in loc], "service_ms": [x * 1e3 for x in svc],
-           "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
-           "median_paired_ratio": statistics.median([b / a for a, b in zip(loc, svc)]), "median_paired_diff_ms":
-           statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]), "bit_identical": identical,
-           "target_ratio": 1.15, "stages_us": stages, "modes": {}}
-    for m in modes:
-        t = times[m]
-        ratios = sorted(b / a for a, b in zip(loc, t))
-        q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-        out["modes"][m] = {"service_median_ms": statistics.median(t) * 1e3, "median_paired_ratio": q[1],
-                           "paired_ratio_quartiles": [q[0], q[2]], "paired_ratios": ratios}
-    return out
+    ratios = sorted(b / a for a, b in zip(loc, svc))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"in_process_ms": [x * 1e3 for x in loc], "service_ms": [x * 1e3 for x in svc],
+            "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
+            "median_paired_ratio": statistics.median(ratios), "paired_ratio_quartiles": [q[0], q[2]],
+            "median_paired_diff_ms": statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]),
+            "bit_identical": identical, "target_ratio": 1.15, "stages_us": stages}
 
 
 STAGES = [("client", "start"), ("client", "built"), ("client", "sent"), ("service", "received"),
           ("service", "parsed"), ("service", "validated"), ("service", "resolved"), ("service", "prepared"),
-          ("service", "launched"), ("service", "completed"), ("service", "reply_sent"), ("client", "received"),
-          ("client", "signalled")]
+          ("service", "launched"), ("service", "completed"), ("service", "reply_sent"), ("client", "received")]
 
 
 def stage_medians(rows) -> list:
     """``[(label, median us)]`` between consecutive stages of ``CacheClient.last_timings`` rows (a
-    stage a row does not have is passed over: a signalled restore has no ``service.completed``, a
-    plain one no ``client.signalled``)."""
+    stage a row does not have is passed over)."""
     vals: dict = {}
     for r in rows:
         present = [(w, k) for w, k in STAGES if k in r[w]]
@@ -402,13 +381,10 @@ def main(argv=None) -> int:
     print(f"{'path':<14}{'median ms':>12}")
     print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
     print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")
-    print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (target <= 1.15), "
-          f"median paired diff {pair['median_paired_diff_ms']:.3f} ms, bit-identical: {pair['bit_identical']} "
-          f"(mode: {pair['mode']})")
-    for m, row in pair["modes"].items():
-        lo, hi = row["paired_ratio_quartiles"]
-        print(f"  mode {m:<8} service median {row['service_median_ms']:.3f} ms, "
-              f"median paired ratio {row['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f})")
+    lo, hi = pair["paired_ratio_quartiles"]
+    print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}; "
+          f"target <= 1.15), median paired diff {pair['median_paired_diff_ms']:.3f} ms, "
+          f"bit-identical: {pair['bit_identical']}")
     if steady:
         m = steady["median_us"]
         print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "

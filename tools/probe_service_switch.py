@@ -1,11 +1,10 @@
 """Back-to-back vs alternating restores of perf/bench_service.py's seed-size child: does a restore
 pay for switching the GPU between the client's and the service's CUDA contexts?
 
-Times (medians of ``--runs``): in-process restores back to back; service restores back to back,
-with plain and with signalled replies (``CacheClient.signal_wait``), the client on the default
-stream (its interprocess event recorded before every request) and on a side stream (idle, so no
-event is recorded: the device gets no command of the client's between the service's copies); and
-the two paths alternating (as the benchmark's pairs do).
+Times (medians of ``--runs``): in-process restores back to back; service restores back to back
+with the client on the default stream (its interprocess event recorded before every request) and
+on a side stream (idle, so no event is recorded: the device gets no command of the client's
+between the service's copies); and the two paths alternating (as the benchmark's pairs do).
 
 Usage (GPU machine): PYTHONPATH=. python tools/probe_service_switch.py [--runs 41]
 """
@@ -63,15 +62,11 @@ def main() -> None:
         def service_run():
             client.restore(reg, items)
 
-        rows = {"in-process, back to back": timed(local_run, args.runs)}
+        rows = {"in-process, back to back": timed(local_run, args.runs),
+                "service, back to back, default stream": timed(service_run, args.runs)}
         side = torch.cuda.Stream()
-        for signal in (False, True):  # plain replies (the default), then signalled ones
-            client.signal_wait = signal
-            mode = "signalled" if signal else "plain"
-            rows[f"service ({mode}), back to back, default stream"] = timed(service_run, args.runs)
-            with torch.cuda.stream(side):
-                rows[f"service ({mode}), back to back, idle side stream (no event)"] = timed(service_run, args.runs)
-        client.signal_wait = False
+        with torch.cuda.stream(side):
+            rows["service, back to back, idle side stream (no event)"] = timed(service_run, args.runs)
         loc, svc = [], []
         for i in range(args.runs):
             for name in (("local", "service") if i % 2 == 0 else ("service", "local")):
@@ -79,7 +74,7 @@ def main() -> None:
                 local_run() if name == "local" else service_run()
                 (loc if name == "local" else svc).append((time.perf_counter() - t) * 1e6)
         rows["in-process, alternating with the service"] = statistics.median(loc)
-        rows["service (plain), alternating with in-process"] = statistics.median(svc)
+        rows["service, alternating with in-process"] = statistics.median(svc)
         with torch.cuda.stream(side):
             client.restore(reg, items, timings=True)
             t = client.last_timings

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kmesh_gpu import _launch  # driver-level event records
-from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError, ProtocolError, ServiceError
+from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import protocol
 from .memory import MemoryHandle, SharedCache, export_cuda
@@ -59,10 +59,6 @@ class Registration:
     layout: object
     handle: MemoryHandle
     cache: torch.Tensor = field(repr=False)
-    #: CUDA registrations: the IPC handle of the service's signal event, recorded after each
-    #: signalled restore's copy (``None``: the service offers none; restores then wait for a reply
-    #: sent after the copy)
-    signal_handle: bytes | None = field(default=None, repr=False)
     #: the cache's device; CUDA memory: requests carry the client's interprocess event
     device: torch.device = field(init=False, repr=False)
     is_cuda: bool = field(init=False, repr=False)
@@ -132,16 +128,10 @@ class CacheClient:
     woken; polling costs this thread's core for that long (the GIL is released between polls). A
     request polls only when the previous reply came within that time, so a busy service (replies
     that queue) is waited for asleep.
-    ``signal_wait``: a waiting restore into CUDA memory asks to be answered once its copy is
-    submitted and then waits on the registration's signal event, which the service records after
-    the copy (default ``False``: the reply comes after the service has seen the copy finish; on
-    the H200 we measured, neither is faster: perf/RESULTS.md). Either way :meth:`restore` returns
-    once the copy has physically finished.
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
-                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None,
-                 signal_wait: bool = False):
+                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None):
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout
@@ -150,8 +140,6 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # reg id -> (event, IPC handle)
-        self.signal_wait = bool(signal_wait)
-        self._signals: dict[int, torch.cuda.Event] = {}  # reg id -> the service's signal event, opened
         self._items: dict[tuple, protocol.RestoreItems] = {}  # (keys, slot counts, position counts) -> encoded
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
@@ -229,7 +217,6 @@ class CacheClient:
                 self._sock.close()
                 self._sock = None
             self._events.clear()
-            self._signals.clear()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -308,14 +295,7 @@ class CacheClient:
         if rope is not None:
             header["rope"] = rope.to_dict()
         h = self.call(header).header
-        signal = h.get("signal_event")
-        try:
-            signal = bytes.fromhex(signal) if type(signal) is str else None
-        except ValueError:
-            signal = None
-        if signal is not None and len(signal) != protocol.EVENT_HANDLE_BYTES:
-            signal = None
-        return Registration(h["reg"], h["generation"], h["secret"], layout, handle, tensor, signal)
+        return Registration(h["reg"], h["generation"], h["secret"], layout, handle, tensor)
 
     def attach(self, reg: Registration) -> None:
         """Use ``reg`` (registered by this process) over this connection too."""
@@ -331,13 +311,11 @@ class CacheClient:
         ``timings=True``: record where the time went; :attr:`last_timings` then holds
         ``{"client": {...}, "service": {...}}``, monotonic nanoseconds (one clock for both processes
         on Linux). Client: ``start`` (call entered), ``built`` (request encoded), ``sent``,
-        ``received`` (reply read), ``signalled`` (signalled restores: the signal event completed,
-        see ``signal_wait``). Service: ``received`` (frame read), ``parsed`` (header decoded),
+        ``received`` (reply read). Service: ``received`` (frame read), ``parsed`` (header decoded),
         ``validated`` (authorised, items and originals checked, slots bounds-checked against the
         registration, blocks reserved), ``resolved`` (device copies of the originals found),
         ``prepared`` (placement validated and its launch tables built), ``launched``,
-        ``completed`` (completion event observed, holds released; not in a signalled restore,
-        whose reply goes before that), ``reply_sent`` (reply built,
+        ``completed`` (completion event observed, holds released), ``reply_sent`` (reply built,
         handed to the socket right after).
         """
         stamps = {"start": time.monotonic_ns()} if timings else None
@@ -386,12 +364,11 @@ class CacheClient:
                 self._items.clear()
             self._items[signature] = encoded
         inject = inject or None
-        signal = wait and self.signal_wait and reg.signal_handle is not None and reg.is_cuda
 
         def build(rid, event):
             return protocol.restore_frame(encoded, rid, reg.reg_id, secret, arrays, wait=wait, timeout=timeout,
                                           timings=timings, wait_event=event, model_fingerprint=model_fingerprint,
-                                          inject=inject, max_body_bytes=self.max_body_bytes, signal=signal)
+                                          inject=inject, max_body_bytes=self.max_body_bytes)
 
         rid, flags, buf, body = self._exchange("restore", build, reg, stamps)
         raw = memoryview(buf)[:len(buf) - len(body)]
@@ -402,50 +379,9 @@ class CacheClient:
         reply = protocol.decode_restore_reply(raw, body)
         if reply.request_id != rid:
             raise ProtocolError(f"reply id {reply.request_id} does not match request {rid}")
-        if signal and reply.state != "drained":
-            self._wait_signal(reg, reply.op_id, timeout)
-            if stamps is not None:
-                stamps["signalled"] = time.monotonic_ns()
         if stamps is not None:
             self.last_timings = {"client": stamps, "service": reply.timings or {}}
         return reply.op_id
-
-    def _wait_signal(self, reg: Registration, op_id: int, timeout: float | None) -> None:
-        """Wait for the service's signal event of ``reg`` (recorded after operation ``op_id``'s copy,
-        or after a later copy of the registration, which runs after it on the same stream)."""
-        event = self._signals.get(reg.reg_id)
-        if event is None:
-            with self._lock:
-                event = self._signals.get(reg.reg_id)
-                if event is None:
-                    try:
-                        event = torch.cuda.Event.from_ipc_handle(reg.device, reg.signal_handle)
-                    except RuntimeError as exc:
-                        raise ServiceError(f"registration {reg.reg_id}: cannot open the service's signal event: "
-                                           f"{exc}") from exc
-                    self._signals[reg.reg_id] = event
-        if timeout is None:
-            # queries first, for up to the reply spin: the copy has usually finished by the time
-            # the reply is read, and a thread blocked on an interprocess event wakes up late
-            handle = event.cuda_event
-            done = _launch.event_query(handle)
-            if done is False and self.reply_spin_s > 0:
-                end = time.perf_counter() + self.reply_spin_s
-                while done is False and time.perf_counter() < end:
-                    done = _launch.event_query(handle)
-            if not done and (done is None or not _launch.event_synchronize(handle)):
-                event.synchronize()  # raises what the driver reported
-            return
-        deadline = time.monotonic() + timeout
-        pause = 2e-5
-        while not event.query():
-            now = time.monotonic()
-            if now >= deadline:
-                exc = DrainError(f"operation {op_id}: copy still running after {timeout} s (the service drains it)")
-                exc.op_id = op_id
-                raise exc
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 1e-3)
 
     def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
              timeout: float | None = None, inject: dict | None = None) -> int:
@@ -484,5 +420,4 @@ class CacheClient:
         h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
         with self._lock:
             self._events.pop(reg.reg_id, None)
-            self._signals.pop(reg.reg_id, None)
         return bool(h["freed"])

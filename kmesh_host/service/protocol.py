@@ -406,8 +406,8 @@ RESTORE_REQUEST = struct.Struct("<HHIqq32sdII")
 RESTORE_REPLY = struct.Struct("<HHIqq")
 _STAMPS = struct.Struct("<8q")
 KIND_RESTORE = 1
-BIT_WAIT, BIT_TIMINGS, BIT_TIMEOUT, BIT_EVENT, BIT_SIGNAL = 1, 2, 4, 8, 16
-_REQUEST_BITS = BIT_WAIT | BIT_TIMINGS | BIT_TIMEOUT | BIT_EVENT | BIT_SIGNAL
+BIT_WAIT, BIT_TIMINGS, BIT_TIMEOUT, BIT_EVENT = 1, 2, 4, 8
+_REQUEST_BITS = BIT_WAIT | BIT_TIMINGS | BIT_TIMEOUT | BIT_EVENT
 SECRET_BYTES = 32
 EVENT_HANDLE_BYTES = 64
 MAX_RESTORE_ITEMS = 1 << 16
@@ -435,10 +435,6 @@ class RestoreRequest:
     ``None``; ``model_fingerprint``, ``inject``: JSON objects or ``None``. ``values``: decoded
     requests only (else ``None``), the whole body as one int64 array, ``slots`` then
     ``new_positions`` (both are views of it), so the service splits it per item in one call.
-    ``signal`` (with ``wait``, CUDA registrations): reply as soon as the copy is submitted and
-    record the registration's signal event after it; the client waits on that event (the service
-    drains the operation right after the reply). Host registrations ignore it (their copies are
-    synchronous) and reply drained.
     """
 
     request_id: int
@@ -456,7 +452,6 @@ class RestoreRequest:
     model_fingerprint: dict | None = None
     inject: dict | None = None
     values: np.ndarray | None = None
-    signal: bool = False
 
 
 class RestoreReply(NamedTuple):
@@ -513,7 +508,7 @@ def restore_items(keys, slot_counts, position_counts) -> RestoreItems:
 def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: bytes, arrays, *, wait: bool = True,
                   timeout: float | None = None, timings: bool = False, wait_event: bytes | None = None,
                   model_fingerprint: dict | None = None, inject: dict | None = None,
-                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, signal: bool = False) -> list:
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list:
     """A restore request's frame as buffers for :func:`send_parts`: the prefix and header (one
     ``bytes``), then ``arrays``, which the caller guarantees are C-contiguous little-endian int64
     arrays holding, end to end, every item's slots, then the shifted items' new positions
@@ -521,10 +516,6 @@ def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: byt
     if len(secret) != SECRET_BYTES:
         raise ProtocolError(f"secret: expected {SECRET_BYTES} bytes, got {len(secret)}")
     bits = BIT_WAIT if wait else 0
-    if signal:
-        if not wait:
-            raise ProtocolError("signal: only a request that waits for its copy asks for the signal event")
-        bits |= BIT_SIGNAL
     if timings:
         bits |= BIT_TIMINGS
     if timeout is None:
@@ -588,8 +579,7 @@ def encode_restore(req: RestoreRequest, *, max_body_bytes: int = DEFAULT_MAX_BOD
                             f"{list(slots.shape)} and {list(new.shape)}")
     return restore_frame(items, req.request_id, req.reg_id, req.secret, (slots, new), wait=req.wait,
                          timeout=req.timeout, timings=req.timings, wait_event=req.wait_event,
-                         model_fingerprint=req.model_fingerprint, inject=req.inject, max_body_bytes=max_body_bytes,
-                         signal=req.signal)
+                         model_fingerprint=req.model_fingerprint, inject=req.inject, max_body_bytes=max_body_bytes)
 
 
 def binary_request_id(raw) -> int | None:
@@ -678,8 +668,6 @@ def decode_restore(raw, body) -> RestoreRequest:
             raise ProtocolError(f"timeout: expected 0..{MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
     elif timeout != 0.0:
         raise ProtocolError("timeout: set, but the request says it has none")
-    if bits & BIT_SIGNAL and not bits & BIT_WAIT:
-        raise ProtocolError("restore: the signal bit without the wait bit")
     off = RESTORE_REQUEST.size
     event = None
     if bits & BIT_EVENT:
@@ -707,7 +695,7 @@ def decode_restore(raw, body) -> RestoreRequest:
     return RestoreRequest(
         rid, reg, secret, keys, slot_counts, position_counts, values[:n_slots], values[n_slots:],
         bits & BIT_WAIT != 0, timeout if bits & BIT_TIMEOUT else None, bits & BIT_TIMINGS != 0, event,
-        model_fingerprint, inject, values, bits & BIT_SIGNAL != 0)
+        model_fingerprint, inject, values)
 
 
 def encode_restore_reply(request_id: int, op_id: int, state: str, stamps: dict | None = None) -> bytes:

@@ -62,7 +62,7 @@ from .._streams import _ids, on_stream
 from . import _compiled, protocol
 from .completions import CudaEventCompletion, RefusingCompletion
 from .memory import DeviceMappings, MemoryHandle, open_handle
-from .registry import OP_DRAINED, Completion, Finished, PeerIdentity, Registry
+from .registry import Completion, Finished, PeerIdentity, Registry
 from .restore_plan import _item_plan, _restore_blocks
 from .sockets import bind_socket, check_peer, peer_identity
 from .sources import DeviceOriginals, HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
@@ -267,14 +267,11 @@ class _Service:
                 except OSError:
                     return
                 if header is None:
-                    frame, signalled = self._serve_binary(header_raw, body, peer, conn_id, received)
+                    frame = self._serve_binary(header_raw, body, peer, conn_id, received)
                     try:
                         conn.sendall(frame)
                     except OSError:
                         return
-                    finally:
-                        if signalled is not None:  # the client waits on the signal event; drain here
-                            self._drain_signalled(*signalled)
                     continue
                 reply, reply_body = self._serve_json(header, body, peer, conn_id)
                 if not self._send(conn, reply, reply_body):
@@ -338,42 +335,21 @@ class _Service:
         out, reply_body = result
         return {"id": rid, "ok": True, **out}, reply_body
 
-    def _serve_binary(self, raw, body, peer: PeerIdentity, conn_id: int, received: int) -> tuple:
-        """Answer a binary frame (a restore request): ``(its binary reply or a JSON error frame,
-        (op, timeout) to drain once the reply is sent, or None)``."""
+    def _serve_binary(self, raw, body, peer: PeerIdentity, conn_id: int, received: int) -> bytes:
+        """Answer a binary frame (a restore request): its binary reply, or a JSON error frame."""
         try:
             req = protocol.decode_restore(raw, body)
         except ProtocolError as exc:
             self._count("errors")
-            return protocol.encode(protocol.error_reply(protocol.binary_request_id(raw), exc)), None
+            return protocol.encode(protocol.error_reply(protocol.binary_request_id(raw), exc))
         # opt-in per-request timing: monotonic ns, system-wide on Linux
         stamps = {"received": received, "parsed": time.monotonic_ns()} if req.timings else None
         ok, result = self._dispatch(req.request_id, self.restore, req, peer, conn_id, stamps)
         if not ok:
-            return protocol.encode(result), None
+            return protocol.encode(result)
         if stamps is not None:
             stamps["reply_sent"] = time.monotonic_ns()  # handed to the socket right after
-        signalled = (result, req.timeout) if req.signal and result.state != OP_DRAINED else None
-        return protocol.encode_restore_reply(req.request_id, result.op_id, result.state, stamps), signalled
-
-    def _drain_signalled(self, op, timeout: float | None) -> None:
-        """After the reply to a signalled restore: wait for its copy and release its holds, as a
-        synchronous request does before its reply (a failed wait keeps them; later drains retry)."""
-        try:
-            self._drain_sync(op, timeout)
-        except DrainError:
-            self._count("errors")
-        except Exception:  # a device failure: reported, the operation stays held
-            self._count("internal_errors")
-            traceback.print_exc(file=sys.stderr)
-
-    def _drain_sync(self, op, timeout: float | None) -> None:
-        """Drain ``op``; its completion event then serves the registration's next copy (creating
-        and destroying an event per request costs more than recording one again)."""
-        self._finish(op, True, timeout)
-        completion, extra = op.completion, op.reg.extra
-        if type(completion) is CudaEventCompletion and len(extra["free_events"]) < _EVENTS_KEPT:
-            extra["free_events"].append(completion.event)
+        return protocol.encode_restore_reply(req.request_id, result.op_id, result.state, stamps)
 
     # ------------------------------------------------------------------ helpers
     def _authorize(self, h: dict, peer: PeerIdentity, *, for_new_work: bool = True):
@@ -588,20 +564,13 @@ class _Service:
                 extra["stream_ids"] = _ids(extra["stream"])
                 extra["device_index"] = cache.device.index
                 extra["free_events"] = []  # completion events to record again (see restore)
-                # recorded after each signalled restore's copy; the client waits on it (interprocess)
-                signal = torch.cuda.Event(interprocess=True)
-                signal.record(extra["stream"])  # creates it on the cache's device
-                extra["signal"], extra["signal_handle"] = signal, bytes(signal.ipc_handle())
             reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
                                          memory=mapping, extra=extra)
         except BaseException:
             mapping.close()
             raise
         self.registry.attach(reg, conn_id)
-        out = {"reg": reg.reg_id, "generation": reg.generation, "secret": reg.secret.hex()}
-        if "signal_handle" in extra:
-            out["signal_event"] = extra["signal_handle"].hex()
-        return out, b""
+        return {"reg": reg.reg_id, "generation": reg.generation, "secret": reg.secret.hex()}, b""
 
     def op_attach(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer)
@@ -672,15 +641,12 @@ class _Service:
 
         self._submit(reg, op, inject, enqueue, client_event=client_event)
         if req.wait:
-            signal = extra.get("signal") if req.signal else None
-            if signal is not None:
-                # the client waits on this event (recorded after the copy's completion event): the
-                # reply goes now, the drain right after it (see _serve_connection)
-                stream = extra["stream"]
-                if not _launch.record_event(signal.cuda_event, stream.cuda_stream):
-                    signal.record(stream)
-                return op
-            self._drain_sync(op, req.timeout)
+            self._finish(op, True, req.timeout)
+            completion = op.completion
+            # Its copy has finished: the event may serve the registration's next copy (creating
+            # and destroying an event per request costs more than recording one again).
+            if type(completion) is CudaEventCompletion and len(extra["free_events"]) < _EVENTS_KEPT:
+                extra["free_events"].append(completion.event)
         if stamps is not None:
             stamps["completed"] = time.monotonic_ns()
         return op

@@ -14,7 +14,7 @@ def test_driver_event_and_stream_wait_decline_when_switched_off(monkeypatch):
     assert _launch.DriverEvent.create() is None
     assert _launch.DriverEvent.recorded(0) is None
     assert _launch.stream_synchronize(0) is False
-    assert _launch.event_query(1) is None and _launch.event_synchronize(1) is False
+    assert _launch.event_query(1) is None and _launch.stream_query(0) is None
 
 
 def test_driver_event_declines_without_a_driver():
@@ -41,8 +41,10 @@ def test_driver_event_completes_after_the_work_before_its_record():
     event.synchronize()
     assert event.query() is True and stream.query() and _launch.event_query(event.cuda_event) is True
     _busy(stream)
-    assert event.record(stream.cuda_stream) and _launch.event_synchronize(event.cuda_event) is True
-    assert stream.query()
+    assert _launch.stream_query(stream.cuda_stream) is False
+    assert event.record(stream.cuda_stream) and _launch.event_query(event.cuda_event) is False
+    event.synchronize()
+    assert _launch.stream_query(stream.cuda_stream) is True
     # re-recorded on an idle stream: complete at once
     assert event.record(stream.cuda_stream) and (event.synchronize() or event.query())
 
