@@ -33,8 +33,12 @@ def test_ssd_routes_cpu_mode(tmp_path):
 
 
 def test_bench_service_cpu_mode(tmp_path):
-    _run("bench_service.py", "--pairs", "2", "--timing-runs", "3", "--clients", "2", "--rounds", "3", out=tmp_path)
+    _run("bench_service.py", "--pairs", "2", "--timing-runs", "3", "--clients", "2", "--rounds", "3",
+         "--back-to-back", "2", out=tmp_path)
     res = json.loads((tmp_path / "bench_service_cpu.json").read_text())
     assert res["paired"]["bit_identical"]
+    assert len(res["paired"]["paired_ratio_quartiles"]) == 2
+    steady = res["back_to_back"]["median_us"]
+    assert steady["in_process"] > 0 and steady["ratios"]["service_default_stream"] > 0
     c = res["concurrent"]
     assert c["errors"] == 0 and c["restores"] == 6 and c["memory_back_to_baseline"]
