@@ -46,6 +46,8 @@ def _build(sl, starts, ptrs, params, need_increasing, pos, out):
     nxt = starts[1]
     prev = -2
     split = cap < N
+    off = 0  # the token's slot within its block, s % N, followed along a run (no division per token)
+    sub = 0  # s % cap (split only)
     for t in range(T):
         s = sl[t]
         if s < 0 or s >= S:
@@ -57,20 +59,29 @@ def _build(sl, starts, ptrs, params, need_increasing, pos, out):
             new_item = True
         if need_increasing and t > 0 and s <= prev:
             return NOT_INCREASING
-        if t == 0 or new_item or s != prev + 1 or s % N == 0 or (split and s % cap == 0):
-            blk = s // N
-            off = s - blk * N
-            dst = blk * kst1 + off * kst3
-            out[R, 0] = t
-            out[R, 1] = 1
-            out[R, 2] = ptrs[item] + (t - starts[item]) * row
-            out[R, 3] = (starts[item + 1] - starts[item]) * row
-            out[R, 4] = dst + koff
-            out[R, 5] = blk * vst1 + off * vst3 + voff
-            out[R, 6] = 0
-            R += 1
-        else:
-            out[R - 1, 1] += 1
+        if t > 0 and not new_item and s == prev + 1:
+            off += 1
+            if split:
+                sub += 1
+                if sub == cap:
+                    sub = 0
+            if off != N and not (split and sub == 0):  # neither a block nor a cap boundary: extend
+                out[R - 1, 1] += 1
+                prev = s
+                continue
+        blk = s // N
+        off = s - blk * N
+        if split:
+            sub = s % cap
+        dst = blk * kst1 + off * kst3
+        out[R, 0] = t
+        out[R, 1] = 1
+        out[R, 2] = ptrs[item] + (t - starts[item]) * row
+        out[R, 3] = (starts[item + 1] - starts[item]) * row
+        out[R, 4] = dst + koff
+        out[R, 5] = blk * vst1 + off * vst3 + voff
+        out[R, 6] = 0
+        R += 1
         prev = s
     return R
 

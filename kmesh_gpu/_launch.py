@@ -58,6 +58,46 @@ def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
     return fn(dst, src, nbytes, stream) == 0
 
 
+def copies_htod(desc: np.ndarray, count: int, stream: int) -> int:
+    """``count`` host-to-device copies queued on the raw stream ``stream`` (``desc``: int64 rows of
+    device address, host address, bytes; the host memory page-locked, or a copy is not
+    asynchronous): one compiled call for all where Numba serves (:mod:`._driver_jit`), else one
+    ctypes call each. Returns how many the driver accepted: those are queued, in order; the rest
+    (from the first refused) are not, and the caller copies them another way."""
+    if not ENABLED:
+        return 0
+    jit = driver_jit()
+    if jit is not None:
+        return jit[0].copies(jit[1], desc, count, stream, 0)
+    fn = _functions()[1]
+    if fn is None:
+        return 0
+    for i in range(count):
+        if fn(int(desc[i, 0]), int(desc[i, 1]), int(desc[i, 2]), stream) != 0:
+            return i
+    return count
+
+
+_JIT: list = []  # [(the _driver_jit module, its driver table) or None], resolved once
+
+
+def driver_jit():
+    """``(kmesh_gpu._driver_jit, its driver table)``, or ``None`` where the driver is not loadable or
+    Numba cannot compile the driver-call sequences here (callers keep their ctypes path)."""
+    if not _JIT:
+        found = None
+        try:
+            from . import _driver_jit
+
+            fns = _driver_jit.driver_table()
+            if fns is not None:
+                found = (_driver_jit, fns)
+        except Exception:  # no Numba here, or it cannot compile: the ctypes path serves
+            found = None
+        _JIT.append(found)
+    return _JIT[0]
+
+
 def _current_stream_slow(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 

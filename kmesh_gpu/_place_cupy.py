@@ -123,9 +123,15 @@ def _runs(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, ro
 
     ``tables["run_args"]``: (runs table address, [2, T] old|new positions address, layer bases
     address, number of runs R)."""
-    runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
-    if R == 0:
+    if tables["run_args"][3] == 0:
         return
+    fn, getdev, device_ctx, grid, args = _runs_call(tables, layout, dev_id, ctype, gather=gather, rope=rope)
+    _launch_on(fn, getdev, device_ctx, dev_id, grid, (256,), args)
+
+
+def _runs_call(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, rope) -> tuple:
+    """``(function, getDevice, Device, grid, arguments)`` of the run kernel's launch (R > 0)."""
+    runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
     key = (dev_id, ctype, id(layout), id(rope), gather, P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF)
     found = _RUN_STATIC.get(key)
     if found is None or found[0] is not layout or found[1] is not rope:
@@ -136,7 +142,31 @@ def _runs(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, ro
     units = per_run * R * (-(-L // lg))
     args = (runs_ptr, pos_ptr, base_ptr, np.int64(R), np.int64(tables["total"]), tail[0], np.int32(lg)) + tail[1:] \
         + (tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
-    _launch_on(fn, getdev, device_ctx, dev_id, (-(-units // 8),), (256,), args)
+    return fn, getdev, device_ctx, (-(-units // 8),), args
+
+
+def driver_template(layout: KVLayout, dev_id: int, rope, consts) -> tuple | None:
+    """What every launch of the run kernel into ``layout`` on ``dev_id`` shares, packed for one
+    compiled driver call (``_place_driver``): ``(CUfunction, warps per run, layers, int64
+    arguments with the per-launch ones left 0, followed by as many scratch slots, count)``; ``None``
+    where the function has no driver handle (CuPy launches). ``consts``: the placement's constant
+    tables (cos/sin, fp8 table, K scales), whose addresses close the argument list."""
+    static = _run_static(layout, False, rope)
+    fn = _runs_function(dev_id, _CUDA_TYPES[layout.storage_dtype])[0]
+    ptr = getattr(fn, "ptr", None)
+    if not ptr:
+        return None
+    L, per_run, tail = static
+    # (runs, positions, layer bases, R, T, L, layers per group | the rest of the layout's | constants)
+    args = [0, 0, 0, 0, 0, int(tail[0]), 0] + [int(x) for x in tail[1:]] + [c.data_ptr() for c in consts]
+    n = len(args)
+    packed = np.zeros(2 * n, dtype=np.int64)
+    packed[:n] = args
+    packed.setflags(write=False)
+    return ptr, per_run, L, packed, n
+
+
+_BLOCK_256 = np.array([256, 1, 1], dtype=np.int64)
 
 
 # (device, dtype, id(layout), id(rope), gather, kernel shape) -> (layout, rope, function, L, warps per run,

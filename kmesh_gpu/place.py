@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _backend, _host_tables
+from . import _backend, _host_tables, _place_driver
 from .errors import BackendError, LayoutError
 from ._place_tables import (_RUN_COLS, _align_bits, _consts, _fp8_table, _i64, _run_table, _runs, _runs_pay,
                             _tables, _tok_tables, _token_index, _vec16)
@@ -383,6 +383,9 @@ class _Launch:
         if self.backend == "torch":
             _torch_run(self.items, self.views, self.layout, self.rope, self.scale, gather=self.gather)
         elif self.backend == "cupy":
+            plan = self.tables.get("driver_launch") if self.tables is not None else None
+            if plan is not None and _place_driver.launch(plan):
+                return
             from . import _place_cupy
 
             _place_cupy.run(self.tables, self.layout, self.device, gather=self.gather, rope=self.rope)
@@ -410,7 +413,7 @@ class _Facts:
     is not kept alive): another tensor with those passes the same checks."""
 
     __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
-                 "row", "kv_shape", "st", "vt", "consts", "params")
+                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches")
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
         flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
@@ -433,6 +436,8 @@ class _Facts:
         self.st, self.vt = layout.k_strides, layout.v_strides
         self.consts = _consts(layout, rope, None, self.device)  # K scales of 1 (fp8 with RoPE: per call)
         self.params: dict = {}  # longest run -> the compiled run builder's constants (_host_tables.PARAMS)
+        self.ring = None  # the device's table ring (_place_driver), looked up on first use; False: none
+        self.launches = None  # kernel shape -> the run kernel's packed launch arguments (_place_driver)
 
 
 def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:
@@ -644,28 +649,36 @@ def _compiled_runs(f: _Facts, layout, rope, scale, be: str, slots, counts: tuple
     ``None`` (no Numba, a skipped token, slots not increasing, a position out of range, or runs too
     short to pay): the NumPy path then decides. The kernel reads the same table as the NumPy path
     builds; the slots travel in the same buffer (gathered by the one concatenation that gathers the
-    positions), unread by the kernel."""
+    positions), unread by the kernel. On CUDA with CuPy the build, the upload and the launch are
+    compiled driver calls (``_place_driver``) where the driver is reachable; torch and CuPy
+    otherwise."""
+    L, T = f.kv_shape[0], sum(counts)
+    starts = _token_index(counts, f.row)[0]
+    params = f.params.get(cap)
+    if params is None:
+        st, vt = f.st, f.vt
+        params = f.params[cap] = np.array([f.row, f.N, cap, f.S, f.P if rope is not None else 0, st[1], st[3],
+                                           layout.k_offset, vt[1], vt[3], layout.v_offset], dtype=np.int64)
+    consts = f.consts if scale is None else _consts(layout, rope, scale, f.device)
+    if f.cuda and be == "cupy":  # compiled driver calls build, upload and (at run) launch
+        tables = _place_driver.prepare_runs(f, layout, rope, slots, olds, news, counts, ptrs, starts, params, cap,
+                                            slots_checked, consts)
+        if tables is not None:
+            return _Launch._built(layout, f.device, rope, scale, be, tables) if tables else None
     build = _host_tables.builder()
     if build is None:
         return None
-    L, T = f.kv_shape[0], sum(counts)
-    starts = _token_index(counts, f.row)[0]
     # [layer bases L | old, new positions 2 x T | slots T | runs R x _RUN_COLS], sized for the most runs (T)
     host = torch.empty(L + 3 * T + T * _RUN_COLS, dtype=torch.int64, pin_memory=f.cuda)
     h = host.numpy()
     h[:L] = f.layer_base
     if rope is not None:
         torch.cat((*olds, *news, *slots), out=host[L:L + 3 * T])
-        pos, P = h[L:L + 2 * T], f.P
+        pos = h[L:L + 2 * T]
     else:
         h[L:L + 2 * T] = 0  # never read without RoPE
         torch.cat(slots, out=host[L + 2 * T:L + 3 * T])
-        pos, P = h[:0], 0
-    params = f.params.get(cap)
-    if params is None:
-        st, vt = f.st, f.vt
-        params = f.params[cap] = np.array([f.row, f.N, cap, f.S, P, st[1], st[3], layout.k_offset, vt[1], vt[3],
-                                           layout.v_offset], dtype=np.int64)
+        pos = h[:0]
     runs_at = L + 3 * T
     R = build(h[L + 2 * T:runs_at], starts, _i64(ptrs), params, not slots_checked, pos,
               h[runs_at:].reshape(T, _RUN_COLS))
@@ -673,7 +686,6 @@ def _compiled_runs(f: _Facts, layout, rope, scale, be: str, slots, counts: tuple
         return None
     dev = host[:runs_at + R * _RUN_COLS].to(f.device, non_blocking=True)
     p = dev.data_ptr()
-    consts = f.consts if scale is None else _consts(layout, rope, scale, f.device)
     tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * runs_at, p + 8 * L, p, R),
               "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
     return _Launch._built(layout, f.device, rope, scale, be, tables)

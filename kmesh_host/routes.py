@@ -456,14 +456,21 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if resident:
             handle = streams.copy_handle()
             base = buffer.data_ptr()
-            copy_htod = _driver.copy_htod if handle is not None else None
             with streams.on_copy():
-                for i in resident:
-                    # pinned payloads: one driver call per copy (torch's copy_ costs several times more)
-                    addr, pinned = leases[i].payload_memory()
+                # pinned payloads: the driver's copies, all in one compiled call where it serves
+                # (torch's copy_ costs several times more); the others (and any the driver
+                # refused) through torch, in order after them
+                rows = []
+                if handle is not None:
+                    for i in resident:
+                        addr, pinned = leases[i].payload_memory()
+                        if not pinned:
+                            break
+                        rows.append((base + offsets[i], addr, headers[i].padded_length))
+                queued = _driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), handle) if rows else 0
+                for i in resident[queued:]:
                     off, nbytes = offsets[i], headers[i].padded_length
-                    if not (pinned and copy_htod is not None and copy_htod(base + off, addr, nbytes, handle)):
-                        buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)
+                    buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)
             resident_event = streams.copied()  # one event fences every resident buffer
             _stamp("resident copies issued")
             for i in resident:

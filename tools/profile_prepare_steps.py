@@ -85,12 +85,67 @@ def main() -> None:
         "compiled build": lambda: build(sl, starts, place_mod._i64(ptrs), params, True, pos, out),
         "upload .to(device)": lambda: host[:n_up].to(dev, non_blocking=True),
     }
+    if cuda:
+        steps.update(_driver_steps(place_mod, f, layout, rope, kvs, cache, slots, olds, news, counts, ptrs, starts,
+                                   params, dev))
     print(f"placement fast-path steps on {args.device} ({len(kvs)} items x {kvs[0].shape[2]} tokens, R={R} runs), "
           f"us per call, {args.repeat} calls each:")
     for name, fn in steps.items():
         print(f"  {name:<30} {timed(fn, args.repeat):8.2f}")
         if cuda:
             torch.cuda.synchronize()
+
+
+def _driver_steps(place_mod, f, layout, rope, kvs, cache, slots, olds, news, counts, ptrs, starts, params, dev):
+    """The compiled-driver path's steps (``kmesh_gpu._place_driver``), beside the whole preparation
+    and launch with that path on and off."""
+    from kmesh_gpu import _launch, _place_driver
+
+    jit, fns = _launch.driver_jit()
+    L, T = layout.num_layers, sum(counts)
+    kw = dict(rope=rope, old_positions=olds, new_positions=news)
+    on = place_mod.prepare_place_many(kvs, cache, layout, slots, **kw)
+    _place_driver.ENABLED = False
+    off = place_mod.prepare_place_many(kvs, cache, layout, slots, **kw)
+    _place_driver.ENABLED = True
+    ring = f.ring
+    n64 = L + 10 * T
+    offset, event = ring.reserve(8 * n64)
+    h = ring.a64[offset // 8:offset // 8 + n64]
+    dev_table = torch.empty(n64, dtype=torch.int64, device=dev)
+    stream = _launch.current_stream(dev.index or 0)
+
+    def no_driver():
+        _place_driver.ENABLED = False
+        try:
+            return place_mod.prepare_place_many(kvs, cache, layout, slots, **kw)
+        finally:
+            _place_driver.ENABLED = True
+
+    def reserve_cancel():
+        got = ring.reserve(8 * n64)
+        if got is not None:
+            ring.cancel(got[0])
+
+    return {
+        "whole prepare (torch/CuPy path)": no_driver,
+        "_place_driver.prepare_runs": lambda: _place_driver.prepare_runs(
+            f, layout, rope, slots, olds, news, counts, ptrs, starts, params, f.cap[1], False, f.consts),
+        "ring.reserve + cancel": reserve_cancel,
+        "ring.t64 slice": lambda: ring.t64[offset // 8 + L:offset // 8 + L + 3 * T],
+        "torch.cat(12, out=ring slice)": lambda: torch.cat(
+            (*olds, *news, *slots), out=ring.t64[offset // 8 + L:offset // 8 + L + 3 * T]),
+        "torch.empty table on the GPU": lambda: torch.empty(n64, dtype=torch.int64, device=dev),
+        "current_stream": lambda: _launch.current_stream(dev.index or 0),
+        "build_upload (compiled)": lambda: jit.build_upload(
+            fns, h[L + 2 * T:L + 3 * T], starts, place_mod._i64(ptrs), params, False, h[L:L + 2 * T],
+            h[L + 3 * T:].reshape(T, 7), L + 3 * T, ring.base + offset, dev_table.data_ptr(), stream,
+            event.cuda_event),
+        "launch plan (template)": lambda: _place_driver._launch_plan(
+            _place_driver._STATE[0][3], f, layout, rope, f.consts, dev.index or 0, lambda: 0, dev_table.data_ptr(), L + 3 * T, L, T, 128),
+        "run() driver": on.run,
+        "run() CuPy path": off.run,
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""Compiled sequences of CUDA driver calls (Numba), for the few host steps of a restore that run on
+every request: the copies out of the host tier, the placement's run table built and uploaded, and
+its launch.
+
+Each of those is a handful of driver calls, but made one by one from Python every call costs its
+ctypes conversion plus the Python around it: tens of microseconds per restore on the GPU machine,
+doubled whenever its virtual CPU runs at half speed, and that is what kept the host-tier route
+from being bound by the DMA. Here one compiled call makes the whole sequence, calling the driver's
+functions by address (:func:`_ccall`, an LLVM indirect call with the exact C argument widths), so
+the only Python left is the call itself.
+
+This module imports Numba at its top and is itself imported only on first use (through
+:func:`compiled`), like the other optional backends; :func:`compiled` returns ``None`` where Numba
+cannot compile here and callers keep their Python path. Driver function addresses are passed in as
+data (an int64 array, :func:`driver_table`), so the compiled code is cached on disk like the rest
+and tests can pass addresses of stand-in C callbacks instead of the driver's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from ._host_tables import _build
+
+#: positions in :func:`driver_table`'s array
+COPY_HTOD, EVENT_RECORD, LAUNCH = 0, 1, 2
+_NAMES = ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuLaunchKernel")
+
+# codes below zero from build_upload, beside _host_tables' (-1..-3): the NumPy path takes over
+RUNS_DO_NOT_PAY = -10  # runs too short on average: the per-token kernel is faster
+COPY_REFUSED = -11  # the driver refused the table's upload: nothing was queued
+RECORD_REFUSED = -12  # the upload is queued but its fence was not recorded (wait for the stream)
+
+
+@intrinsic
+def _ccall(typingctx, address, args):
+    """``int32 f(args...)`` for the C function at ``address``, each argument passed with its own
+    integer width (int64/uint64 as 64-bit, int32/uint32 as 32-bit): the driver's prototypes."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    if not all(isinstance(t, types.Integer) for t in args):
+        return None
+
+    def codegen(context, builder, signature, llargs):
+        fn_address, packed = llargs
+        values = [builder.extract_value(packed, i) for i in range(len(args))]
+        fnty = ir.FunctionType(ir.IntType(32), [v.type for v in values])
+        return builder.call(builder.inttoptr(fn_address, fnty.as_pointer()), values)
+
+    return types.int32(address, args), codegen
+
+
+_JIT = dict(nogil=True, cache=True)
+_build_jit = numba.njit(**_JIT)(_build)
+
+
+@numba.njit(**_JIT)
+def copies(fns, desc, count, stream, event):
+    """Queue ``count`` host-to-device copies on ``stream`` (``desc[i]``: device address, host
+    address, bytes), then record ``event`` there (0: none). Returns how many copies the driver
+    accepted (``count``, or the index of the first it refused: the rest are not queued and the
+    event is not recorded), or ``-1`` when every copy was queued but the record was refused."""
+    for i in range(count):
+        if _ccall(fns[COPY_HTOD], (desc[i, 0], desc[i, 1], desc[i, 2], stream)) != 0:
+            return i
+    if event != 0 and _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+        return -1
+    return count
+
+
+@numba.njit(**_JIT)
+def build_upload(fns, sl, starts, ptrs, params, need_increasing, pos, out, head, host, device, stream, event):
+    """The run table of ``sl`` (see ``_host_tables._build``) built into ``out`` (R x 7 rows that
+    follow ``head`` int64 values in the host buffer at address ``host``), then the first
+    ``head + 7 R`` values uploaded to ``device`` on ``stream`` and ``event`` recorded after the
+    copy (it fences the host buffer). Returns R, a code of ``_host_tables`` (nothing queued), or
+    :data:`RUNS_DO_NOT_PAY`, :data:`COPY_REFUSED`, :data:`RECORD_REFUSED`."""
+    R = _build_jit(sl, starts, ptrs, params, need_increasing, pos, out)
+    if R <= 0:
+        return R
+    if 2 * sl.shape[0] < params[2] * R:  # runs average under cap / 2 (as place._compiled_runs)
+        return RUNS_DO_NOT_PAY
+    nbytes = (head + 7 * R) * 8
+    if _ccall(fns[COPY_HTOD], (device, host, nbytes, stream)) != 0:
+        return COPY_REFUSED
+    if _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+        return RECORD_REFUSED
+    return R
+
+
+@numba.njit(**_JIT)
+def launch(fns, function, grid, block, stream, args, count):
+    """``cuLaunchKernel(function, grid, block, 0 bytes shared, stream)`` with the ``count`` integer
+    arguments ``args[:count]``; ``args[count:2 count]`` is scratch for their addresses (the
+    driver reads each parameter's size from the kernel: a 32-bit one takes the low half of its
+    little-endian slot). Returns the driver's code (0: launched)."""
+    base = args.ctypes.data
+    for i in range(count):
+        args[count + i] = base + 8 * i
+    u32 = np.uint32
+    return _ccall(fns[LAUNCH], (function, u32(grid[0]), u32(grid[1]), u32(grid[2]), u32(block[0]), u32(block[1]),
+                                u32(block[2]), u32(0), stream, base + 8 * count, np.int64(0)))
+
+
+@functools.lru_cache(maxsize=1)
+def driver_table() -> np.ndarray | None:
+    """The driver functions' addresses (``COPY_HTOD``, ``EVENT_RECORD``, ``LAUNCH``) as int64, or
+    ``None`` where ``libcuda`` is not loadable."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        table = np.array([ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _NAMES],
+                         dtype=np.int64)
+    except (OSError, AttributeError):
+        return None
+    table.setflags(write=False)
+    return table

@@ -1,0 +1,142 @@
+"""The run kernel's placement prepared and launched through compiled driver calls (the usual CUDA
+restore's path; ``place._compiled_runs`` tries it first).
+
+Preparation gathers the indices into a region of a page-locked :class:`~._table_ring.TableRing`
+with one concatenation, then one compiled call (:func:`._driver_jit.build_upload`) checks the slots,
+writes the run table, queues its upload and fences the region; the launch's arguments are packed
+from a per-layout template (``_place_cupy.driver_template``), so ``_Launch.run`` is one compiled
+``cuLaunchKernel``. The table on the device is a torch allocation on the current stream, as on the
+other paths (torch's allocator orders its reuse after the launch on that stream). Anything this
+path does not cover, or a driver refusal, returns ``None``: the caller takes the path through torch
+and CuPy, which also reports any error properly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _launch
+from ._place_tables import _RUN_COLS, _i64
+from ._table_ring import ring_for
+
+ENABLED = True  # tests and benchmarks switch it off to compare with the torch/CuPy path
+
+_STATE: list = []  # [(the _driver_jit module, driver table, cupy's getDevice, _place_cupy) or None], once
+
+
+def _state():
+    if not _STATE:
+        found = None
+        jit = _launch.driver_jit()
+        if jit is not None:
+            try:
+                import cupy
+
+                from . import _place_cupy
+
+                found = jit + (cupy.cuda.runtime.getDevice, _place_cupy)
+            except ImportError:
+                found = None
+        _STATE.append(found)
+    return _STATE[0]
+
+
+def prepare_runs(f, layout, rope, slots, olds, news, counts: tuple, ptrs: list, starts, params, cap: int,
+                 slots_checked: bool, consts) -> dict | None:
+    """The run kernel's tables (as ``place._compiled_runs`` returns them, plus ``driver_launch``),
+    built and uploaded on the current stream of the cache's device; ``None`` where this path does
+    not apply (the caller's own compiled path may), ``False`` where the run builder declined these
+    indices (a skipped token, slots not increasing, a position out of range, runs too short: the
+    NumPy path decides). ``f``: the cache's ``place._Facts``."""
+    state = _state() if ENABLED and _launch.ENABLED else None
+    if state is None:
+        return None
+    jit, fns, getdev, cupy_launcher = state
+    dev_id = f.device.index
+    if dev_id is None or getdev() != dev_id:  # events and copies belong to the current device's context
+        return None
+    ring = f.ring if f.ring is not None else _ring(f, dev_id)
+    if ring is False:
+        return None
+    L, T = f.kv_shape[0], sum(counts)
+    runs_at = L + 3 * T
+    n64 = runs_at + T * _RUN_COLS
+    got = ring.reserve(8 * n64)
+    if got is None:
+        return None
+    offset, event = got
+    o = offset // 8
+    h = ring.a64[o:o + n64]
+    h[:L] = f.layer_base
+    if rope is not None:
+        torch.cat((*olds, *news, *slots), out=ring.t64[o + L:o + runs_at])
+        pos = h[L:L + 2 * T]
+    else:
+        h[L:L + 2 * T] = 0  # never read without RoPE
+        torch.cat(slots, out=ring.t64[o + L + 2 * T:o + runs_at])
+        pos = h[:0]
+    dev = torch.empty(n64, dtype=torch.int64, device=f.device)
+    p = dev.data_ptr()
+    stream = _launch.current_stream(dev_id)
+    R = jit.build_upload(fns, h[L + 2 * T:runs_at], starts, _i64(ptrs), params, not slots_checked, pos,
+                         h[runs_at:].reshape(T, _RUN_COLS), runs_at, ring.base + offset, p, stream, event.cuda_event)
+    if R == jit.RECORD_REFUSED:  # the upload is queued but unfenced: wait for it, the region is then free
+        if not _launch.stream_synchronize(stream):
+            torch.cuda.current_stream(f.device).synchronize()
+        return None
+    if R <= 0:  # nothing was queued from the region
+        ring.cancel(offset)
+        return None if R == jit.COPY_REFUSED else False
+    tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * runs_at, p + 8 * L, p, R),
+              "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
+    tables["driver_launch"] = _launch_plan(cupy_launcher, f, layout, rope, consts, dev_id, getdev, p, runs_at, L, T,
+                                           R)
+    return tables
+
+
+def _launch_plan(_place_cupy, f, layout, rope, consts, dev_id: int, getdev, p: int, runs_at: int, L: int, T: int,
+                 R: int):
+    """:func:`launch`'s plan: the layout's packed arguments (made once per cache, layout, RoPE spec
+    and kernel shape) with this launch's table addresses, sizes and grid filled in; ``None``
+    where CuPy must launch."""
+    P = _place_cupy.P
+    shape = (P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF)
+    # kept only for the cache's own constants (per-call ones, fp8 K scales with RoPE, come and go)
+    keep = consts is f.consts
+    found = f.launches.get(shape) if keep and f.launches is not None else None
+    if found is None:
+        found = _place_cupy.driver_template(layout, dev_id, rope, consts)
+        if found is None:
+            return None
+        if keep:
+            if f.launches is None or len(f.launches) >= 8:
+                f.launches = {}
+            f.launches[shape] = found
+    fn, per_run, _, template, n = found
+    # as _place_cupy._runs_call: enough warps to fill the GPU before a warp takes several layers
+    groups = min(L, max(1, -(-P._RUN_UNITS // (per_run * R))))
+    lg = -(-L // groups)
+    units = per_run * R * (-(-L // lg))
+    args = template.copy()
+    args[0], args[1], args[2], args[3], args[4], args[6] = p + 8 * runs_at, p + 8 * L, p, R, T, lg
+    return fn, np.array([-(-units // 8), 1, 1], dtype=np.int64), _BLOCK, args, n, dev_id, getdev
+
+
+_BLOCK = np.array([256, 1, 1], dtype=np.int64)
+
+
+def _ring(f, dev_id: int):
+    ring = ring_for(dev_id, _launch.DriverEvent.create)
+    f.ring = ring if ring is not None else False
+    return f.ring
+
+
+def launch(plan) -> bool:
+    """Launch ``driver_launch``'s plan on the current stream of its device; ``False`` when it
+    cannot be launched this way (another device current, or the driver refused: nothing queued)."""
+    fn, grid, block, args, count, dev_id, getdev = plan
+    state = _STATE[0]  # set: a plan exists
+    if state is None or not _launch.ENABLED or getdev() != dev_id:
+        return False
+    return state[0].launch(state[1], fn, grid, block, _launch.current_stream(dev_id), args, count) == 0
