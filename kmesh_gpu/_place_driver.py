@@ -13,6 +13,8 @@ and CuPy, which also reports any error properly.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
@@ -43,12 +45,13 @@ def _state():
 
 
 def prepare_runs(f, layout, rope, slots, olds, news, counts: tuple, ptrs: list, starts, params, cap: int,
-                 slots_checked: bool, consts) -> dict | None:
+                 slots_checked: bool, consts, *, flat: bool = False) -> dict | None:
     """The run kernel's tables (as ``place._compiled_runs`` returns them, plus ``driver_launch``),
     built and uploaded on the current stream of the cache's device; ``None`` where this path does
     not apply (the caller's own compiled path may), ``False`` where the run builder declined these
     indices (a skipped token, slots not increasing, a position out of range, runs too short: the
-    NumPy path decides). ``f``: the cache's ``place._Facts``."""
+    NumPy path decides). ``f``: the cache's ``place._Facts``. ``flat``: ``slots``, ``olds`` and
+    ``news`` are each one int64 array of all items' values (NumPy, checked by the caller)."""
     state = _state() if ENABLED and _launch.ENABLED else None
     if state is None:
         return None
@@ -69,12 +72,19 @@ def prepare_runs(f, layout, rope, slots, olds, news, counts: tuple, ptrs: list, 
     o = offset // 8
     h = ring.a64[o:o + n64]
     h[:L] = f.layer_base
-    if rope is not None:
+    if flat:
+        if rope is not None:
+            h[L:L + T] = olds
+            h[L + T:L + 2 * T] = news
+        h[L + 2 * T:runs_at] = slots
+    elif rope is not None:
         torch.cat((*olds, *news, *slots), out=ring.t64[o + L:o + runs_at])
+    else:
+        torch.cat(slots, out=ring.t64[o + L + 2 * T:o + runs_at])
+    if rope is not None:
         pos = h[L:L + 2 * T]
     else:
         h[L:L + 2 * T] = 0  # never read without RoPE
-        torch.cat(slots, out=ring.t64[o + L + 2 * T:o + runs_at])
         pos = h[:0]
     dev = torch.empty(n64, dtype=torch.int64, device=f.device)
     p = dev.data_ptr()
@@ -124,6 +134,65 @@ def _launch_plan(_place_cupy, f, layout, rope, consts, dev_id: int, getdev, p: i
 
 
 _BLOCK = np.array([256, 1, 1], dtype=np.int64)
+
+
+def prepare_flat(kvs, cache, layout, counts: tuple, slots: np.ndarray, *, rope=None, old_positions=None,
+                  new_positions=None):
+    """``place.prepare_place_many`` with ``_slots_checked``, for a caller whose index inputs are already
+    one int64 array each over all items (``slots``, ``old_positions``, ``new_positions``: NumPy,
+    ``sum(counts)`` values; ``counts``: the items' token counts): the cache service, whose request
+    body holds them so. Only the run kernel's compiled driver path; ``None`` whenever it does not
+    apply (the caller then passes per-item tensors to ``place.prepare_place_many``, which decides and
+    names any error). Positions are still checked; slots are the caller's promise (private)."""
+    P = _place()
+    if not P._FAST or not P._COMPILED or not P._RUNS or not isinstance(cache, torch.Tensor):
+        return None
+    T = sum(counts)
+    if T == 0 or len(counts) != len(kvs) or slots.shape != (T,) or slots.dtype != np.int64:
+        return None
+    if rope is not None and (old_positions is None or new_positions is None or old_positions.shape != (T,)
+                             or new_positions.shape != (T,)):
+        return None
+    try:
+        P._check_args(layout, rope, old_positions, new_positions)
+    except P.LayoutError:
+        return None
+    f = P._facts(cache, layout, rope, "cache")
+    if not f.ok or not f.cuda or layout.storage_dtype == torch.uint8:  # fp8: K scales are per call
+        return None
+    try:
+        if P._backend.choose("auto", f.device) != "cupy":
+            return None
+    except P.BackendError:
+        return None
+    want, device = layout.storage_dtype, f.device
+    L, H, D = f.kv_shape
+    ptrs, bits = [], f.bits
+    for kv, c in zip(kvs, counts):
+        s = kv.shape
+        if type(kv) is not torch.Tensor or len(s) != 5 or s[0] != 2 or s[1] != L or s[2] != c or s[3] != H \
+                or s[4] != D or (kv.dtype is not want and P.storage_dtype(kv.dtype) != want) or kv.device != device \
+                or not kv.is_contiguous():
+            return None
+        p = kv.data_ptr()
+        ptrs.append(p)
+        bits |= p
+    if f.cap[0] != P._RUN_GROUPS:
+        f.cap = (P._RUN_GROUPS, P._run_cap(f.layout, f.rope, False))
+    cap = f.cap[1] if f.vec16 and bits % 16 == 0 else 0
+    if not cap:
+        return None
+    tables = prepare_runs(f, layout, rope, slots, old_positions, new_positions, counts, ptrs,
+                          P._token_index(counts, f.row)[0], P._run_params(f, layout, cap), cap, True, f.consts,
+                          flat=True)
+    if not tables:
+        return None
+    return P._Launch._built(layout, device, rope, None, "cupy", tables)
+
+
+def _place():
+    """The placement module (imported by name: it imports this one while it loads)."""
+    return importlib.import_module("kmesh_gpu.place")
 
 
 def _ring(f, dev_id: int):

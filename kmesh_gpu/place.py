@@ -654,11 +654,7 @@ def _compiled_runs(f: _Facts, layout, rope, scale, be: str, slots, counts: tuple
     otherwise."""
     L, T = f.kv_shape[0], sum(counts)
     starts = _token_index(counts, f.row)[0]
-    params = f.params.get(cap)
-    if params is None:
-        st, vt = f.st, f.vt
-        params = f.params[cap] = np.array([f.row, f.N, cap, f.S, f.P if rope is not None else 0, st[1], st[3],
-                                           layout.k_offset, vt[1], vt[3], layout.v_offset], dtype=np.int64)
+    params = _run_params(f, layout, cap)
     consts = f.consts if scale is None else _consts(layout, rope, scale, f.device)
     if f.cuda and be == "cupy":  # compiled driver calls build, upload and (at run) launch
         tables = _place_driver.prepare_runs(f, layout, rope, slots, olds, news, counts, ptrs, starts, params, cap,
@@ -689,6 +685,16 @@ def _compiled_runs(f: _Facts, layout, rope, scale, be: str, slots, counts: tuple
     tables = {"total": T, "vec16": True, "runs": R, "run_args": (p + 8 * runs_at, p + 8 * L, p, R),
               "buffer": dev, "cos_sin": consts[0], "fp8_table": consts[1], "k_scale": consts[2]}
     return _Launch._built(layout, f.device, rope, scale, be, tables)
+
+
+def _run_params(f: _Facts, layout, cap: int) -> np.ndarray:
+    """The compiled run builder's constants for runs of at most ``cap`` tokens (``_host_tables.PARAMS``)."""
+    params = f.params.get(cap)
+    if params is None:
+        st, vt = f.st, f.vt
+        params = f.params[cap] = np.array([f.row, f.N, cap, f.S, f.P, st[1], st[3], layout.k_offset, vt[1], vt[3],
+                                           layout.v_offset], dtype=np.int64)
+    return params
 
 
 def _positions_ok(pos: np.ndarray, P: int, valid) -> bool:

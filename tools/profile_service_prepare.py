@@ -94,6 +94,17 @@ def main() -> None:
     }
     launch = place_mod.prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds,
                                           new_positions=news)
+    from kmesh_gpu import _place_driver
+
+    counts = tuple(s.numel() for s in slots)
+    old_flat = torch.cat(olds).numpy()
+    T = sum(counts)
+    flat = _place_driver.prepare_flat(kvs, cache, layout, counts, values[:T], rope=rope, old_positions=old_flat,
+                                      new_positions=values[T:])
+    print(f"the service's one-array preparation (prepare_flat) {'applies' if flat is not None else 'DECLINES'}")
+    rows["prepare_flat (the body's arrays as they are)"] = lambda: _place_driver.prepare_flat(
+        kvs, cache, layout, counts, values[:T], rope=rope, old_positions=old_flat, new_positions=values[T:])
+    rows["prepare_flat on a side stream"] = on_side(rows["prepare_flat (the body's arrays as they are)"])
     rows.update(_stream_rows(on_side, cache, layout, rope, kvs, olds, s_slots, s_news))  # after: facts are made
     print(f"seed child (4 x {bs.SEG_TOKENS} tokens, {bs.LAYERS} layers) on {torch.cuda.get_device_name()}: "
           f"run table {'with' if launch.tables.get('driver_launch') else 'without'} the driver path, "

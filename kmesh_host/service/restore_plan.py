@@ -26,7 +26,8 @@ class _ItemPlan:
     original is not kept alive by it), and for the registration it is kept on (its layout and RoPE
     spec never change)."""
 
-    __slots__ = ("segs", "shifted", "plain", "split_sizes", "num_positions", "starts", "check_params")
+    __slots__ = ("segs", "shifted", "plain", "split_sizes", "num_positions", "starts", "check_params", "counts",
+                 "_old_positions")
 
     def __init__(self, segs, slot_counts, position_counts, num_positions, reg):
         self.segs = [weakref.ref(seg) for seg in segs]
@@ -39,6 +40,16 @@ class _ItemPlan:
         #: in the body, and the registration's slot count, block size and the positions' bound
         self.starts = np.cumsum([0, *slot_counts], dtype=np.int64)
         self.check_params = np.array([reg.num_slots, reg.block_size, num_positions or 0], dtype=np.int64)
+        self.counts = tuple(slot_counts)  # each item's token count
+        self._old_positions = None
+
+    def old_positions(self, segs) -> np.ndarray:
+        """The shifted items' stored positions end to end (int64; made once: originals are immutable,
+        and the plan serves only the very segment objects ``segs`` it was made for)."""
+        if self._old_positions is None:
+            self._old_positions = np.ascontiguousarray(
+                np.concatenate([segs[i].positions.numpy() for i in self.shifted]), dtype=np.int64)
+        return self._old_positions
 
     def made_for(self, segs) -> bool:
         return len(segs) == len(self.segs) and all([ref() is seg for ref, seg in zip(self.segs, segs)])

@@ -130,6 +130,11 @@ def _place():
     return _place_module
 
 
+def _place_driver():
+    """``kmesh_gpu._place_driver`` (its ``prepare_flat``), imported with :func:`_place`."""
+    return _place()._place_driver
+
+
 # ---------------------------------------------------------------------------------- the service
 class _Service:
     """Everything that runs inside the service process."""
@@ -611,27 +616,18 @@ class _Service:
                 keepalive.extend(kvs)
             else:
                 kvs = [seg.kv for seg in segs]
-            # Views of the request's body (the frame's buffer is the op's own): every item's slots,
-            # then the shifted items' new positions, split in one call.
-            values = req.values if req.values is not None else np.concatenate((req.slots, pos))
-            index = torch.from_numpy(values).split_with_sizes(plan.split_sizes)
             if stamps is not None:
                 stamps["resolved"] = time.monotonic_ns()
-            prepare_place_many = _place().prepare_place_many
             cache, layout, backend = extra["cache"], reg.layout, self.config.backend
-            shifted, plain, n = plan.shifted, plan.plain, len(segs)
-            launches = []
-            if shifted:
-                if plain:
-                    kv_s, slot_s = [kvs[i] for i in shifted], [index[i] for i in shifted]
-                else:
-                    kv_s, slot_s = kvs, list(index[:n])
-                launches.append(prepare_place_many(
-                    kv_s, cache, layout, slot_s, rope=extra["rope"], old_positions=[segs[i].positions for i in shifted],
-                    new_positions=list(index[n:]), backend=backend, _slots_checked=True))
-            if plain:
-                launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [index[i] for i in plain],
-                                                   backend=backend, _slots_checked=True))
+            shifted, plain = plan.shifted, plan.plain
+            launch = None
+            if extra["on_cuda"] and backend in ("auto", "cupy") and not (shifted and plain):
+                # the usual request: the body's index arrays as they are, one compiled preparation
+                launch = _place_driver().prepare_flat(
+                    kvs, cache, layout, plan.counts, req.slots, rope=extra["rope"] if shifted else None,
+                    old_positions=plan.old_positions(segs) if shifted else None,
+                    new_positions=pos if shifted else None)
+            launches = [launch] if launch is not None else self._split_launches(req, plan, segs, kvs, extra, reg)
             if stamps is not None:
                 stamps["prepared"] = time.monotonic_ns()
             for launch in launches:
@@ -650,6 +646,29 @@ class _Service:
         if stamps is not None:
             stamps["completed"] = time.monotonic_ns()
         return op
+
+    def _split_launches(self, req, plan, segs, kvs, extra, reg) -> list:
+        """The placement's launches from per-item index tensors (shifted and plain items apart):
+        views of the request's body (the frame's buffer is the op's own), every item's slots,
+        then the shifted items' new positions, split in one call."""
+        values = req.values if req.values is not None else np.concatenate((req.slots, req.new_positions))
+        index = torch.from_numpy(values).split_with_sizes(plan.split_sizes)
+        prepare_place_many = _place().prepare_place_many
+        cache, layout, backend = extra["cache"], reg.layout, self.config.backend
+        shifted, plain, n = plan.shifted, plan.plain, len(segs)
+        launches = []
+        if shifted:
+            if plain:
+                kv_s, slot_s = [kvs[i] for i in shifted], [index[i] for i in shifted]
+            else:
+                kv_s, slot_s = kvs, list(index[:n])
+            launches.append(prepare_place_many(
+                kv_s, cache, layout, slot_s, rope=extra["rope"], old_positions=[segs[i].positions for i in shifted],
+                new_positions=list(index[n:]), backend=backend, _slots_checked=True))
+        if plain:
+            launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [index[i] for i in plain],
+                                               backend=backend, _slots_checked=True))
+        return launches
 
     def op_save(self, h, body, peer, conn_id):
         from kmesh_gpu import gather

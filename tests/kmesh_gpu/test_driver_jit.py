@@ -241,3 +241,75 @@ def test_many_placements_wrap_the_table_ring_and_stay_exact(monkeypatch):
     expected = layout.allocate(fill=0, device="cuda")
     place_mod.place_many(kvs, expected, layout, slots, backend="torch")
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_prepare_flat_declines_a_cache_off_the_gpu():
+    from kmesh_gpu import KVLayout, _place_driver
+
+    layout = KVLayout.from_vllm("NHD", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=64,
+                                dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, 16, 2, 64, dtype=torch.bfloat16)
+    assert _place_driver.prepare_flat([kv], layout.allocate(fill=0), layout, (16,), np.arange(16)) is None
+
+
+def _flat_case(with_rope: bool, gen):
+    from kmesh_gpu import KVLayout, RopeSpec
+
+    L, H, D, N = 3, 2, 64, 16
+    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=40, block_size=N, num_kv_heads=H, head_size=D,
+                                dtype=torch.bfloat16)
+    rope = RopeSpec(D, D, 1e6, True, 4096, torch.bfloat16) if with_rope else None
+    T = (40, 24, 57)
+    kvs = [torch.randn(2, L, t, H, D, generator=gen).to(torch.bfloat16).cuda() for t in T]
+    slots = np.arange(30, 30 + sum(T), dtype=np.int64)
+    old = np.random.default_rng(1).integers(0, 4096, sum(T)).astype(np.int64) if with_rope else None
+    new = np.random.default_rng(2).integers(0, 4096, sum(T)).astype(np.int64) if with_rope else None
+    return layout, rope, T, kvs, slots, old, new
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_rope", [False, True], ids=["copy", "rope"])
+def test_prepare_flat_places_what_prepare_place_many_places(with_rope):
+    import importlib
+
+    from kmesh_gpu import _place_driver
+
+    place_mod = importlib.import_module("kmesh_gpu.place")
+    layout, rope, T, kvs, slots, old, new = _flat_case(with_rope, torch.Generator().manual_seed(4))
+    cache = layout.allocate(fill=0x3C, device="cuda")
+    launch = _place_driver.prepare_flat(kvs, cache, layout, T, slots, rope=rope, old_positions=old,
+                                        new_positions=new)
+    assert launch is not None and launch.tables["driver_launch"] is not None
+    launch.run()
+    split = lambda a: list(torch.split(torch.from_numpy(a), T))  # noqa: E731
+    kw = dict(rope=rope, old_positions=split(old), new_positions=split(new)) if with_rope else {}
+    expected = layout.allocate(fill=0x3C, device="cuda")
+    place_mod.place_many(kvs, expected, layout, split(slots), backend="torch", **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["counts", "int32 slots", "unaligned item", "position out of range",
+                                  "positions missing"])
+def test_prepare_flat_declines_what_it_does_not_cover(case):
+    from kmesh_gpu import _place_driver
+
+    layout, rope, T, kvs, slots, old, new = _flat_case(True, torch.Generator().manual_seed(5))
+    if case == "counts":
+        T = (40, 24, 56)
+    elif case == "int32 slots":
+        slots = slots.astype(np.int32)
+    elif case == "unaligned item":
+        flat = torch.empty(kvs[1].numel() + 1, dtype=torch.bfloat16, device="cuda")
+        kvs[1] = flat[1:].view(kvs[1].shape).copy_(kvs[1])  # 2 bytes off a 16-byte boundary
+    elif case == "position out of range":
+        new = new.copy()
+        new[7] = 4096
+    else:
+        old = None
+    cache = layout.allocate(fill=0, device="cuda")
+    assert _place_driver.prepare_flat(kvs, cache, layout, T, slots, rope=rope, old_positions=old,
+                                      new_positions=new) is None
+    torch.cuda.synchronize()
+    assert not cache.view(torch.uint8).any()  # nothing was placed
