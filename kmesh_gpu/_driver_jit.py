@@ -109,6 +109,23 @@ def launch(fns, function, grid, block, stream, args, count):
                                 u32(block[2]), u32(0), stream, base + 8 * count, np.int64(0)))
 
 
+def _compile_used_signatures() -> None:
+    """Compile (or load from Numba's cache) each function for the argument types its callers pass,
+    now rather than inside a caller's first restore; nothing is called."""
+    i64 = np.int64
+    fns = np.zeros(3, dtype=i64)
+    fns.setflags(write=False)  # driver_table()'s array is read-only
+    vec, mat, n = np.zeros(4, dtype=i64), np.zeros((4, 7), dtype=i64), 0
+    examples = ((copies, (fns, np.zeros((1, 3), dtype=i64), n, n, n)),
+                (build_upload, (fns, vec, vec, vec, vec, True, vec, mat, n, n, n, n, n)),
+                (launch, (fns, n, vec, vec, n, vec, n)))
+    for fn, args in examples:
+        fn.compile(tuple(numba.typeof(a) for a in args))
+
+
+_compile_used_signatures()
+
+
 @functools.lru_cache(maxsize=1)
 def driver_table() -> np.ndarray | None:
     """The driver functions' addresses (``COPY_HTOD``, ``EVENT_RECORD``, ``LAUNCH``) as int64, or

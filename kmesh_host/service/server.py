@@ -565,6 +565,7 @@ class _Service:
             extra = {"cache": cache, "device": cache.device, "rope": rope, "on_cuda": cache.device.type == "cuda",
                      "num_positions": None if rope is None else int(rope.num_positions)}
             if cache.device.type == "cuda":
+                _launch.driver_jit()  # the compiled driver calls of placement, loaded before the first restore
                 extra["stream"] = torch.cuda.Stream(device=cache.device)
                 extra["stream_ids"] = _ids(extra["stream"])
                 extra["device_index"] = cache.device.index
