@@ -362,13 +362,15 @@ def main(argv=None) -> int:
         pair = paired(args, client, socket_path)
         steady = back_to_back(args, client) if args.back_to_back > 0 else None
         conc = concurrent(args, client, socket_path) if args.clients > 0 else None
+        counters = client.status()["counters"]
+        placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item")}
     shutil.rmtree(sock_dir, ignore_errors=True)
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
               "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
-              "concurrent": conc,
+              "concurrent": conc, "service_placements": placements,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_service_{args.device}.json")
@@ -397,6 +399,8 @@ def main(argv=None) -> int:
         print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {conc['restores_per_s']:.1f} "
               f"restores/s, median latency {conc['latency_median_ms']:.2f} ms, errors {conc['errors']}, "
               f"memory back to baseline: {conc['memory_back_to_baseline']}")
+    print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "
+          f"per item: {placements['placements_per_item']}")
     print(f"wrote {path}")
     return 0 if pair["bit_identical"] and (conc is None or conc["errors"] == 0) else 1
 

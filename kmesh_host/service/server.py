@@ -155,7 +155,9 @@ class _Service:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._saving: set[str] = set()
-        self._counters = {"requests": 0, "errors": 0, "internal_errors": 0, "refused_peers": 0}
+        # placements: prepared from the request body's arrays as they are, or per item (the rest)
+        self._counters = {"requests": 0, "errors": 0, "internal_errors": 0, "refused_peers": 0,
+                          "placements_one_array": 0, "placements_per_item": 0}
         self._inflight = 0  # requests being handled now (under _lock)
         # conn id -> {reg id: (IPC handle bytes, the client's event opened here)}; each connection's
         # thread alone reads and fills its own entry
@@ -628,7 +630,12 @@ class _Service:
                     kvs, cache, layout, plan.counts, req.slots, rope=extra["rope"] if shifted else None,
                     old_positions=plan.old_positions(segs) if shifted else None,
                     new_positions=pos if shifted else None)
-            launches = [launch] if launch is not None else self._split_launches(req, plan, segs, kvs, extra, reg)
+            if launch is not None:
+                launches = [launch]
+                self._count("placements_one_array")
+            else:
+                launches = self._split_launches(req, plan, segs, kvs, extra, reg)
+                self._count("placements_per_item")
             if stamps is not None:
                 stamps["prepared"] = time.monotonic_ns()
             for launch in launches:

@@ -271,3 +271,49 @@ def test_device_copy_of_an_original_follows_evict_and_republish(client):
             assert client.evict(key) is True
     finally:
         assert client.close_registration(reg, timeout=60) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [True, False], ids=["rope", "copy"])
+def test_the_usual_restore_is_prepared_from_the_request_body_as_it_is(client, shift):
+    """A CUDA restore whose items all shift (or none does) into a layout the run kernel covers is
+    prepared from the request's index arrays as they are (one compiled preparation, the status
+    counts it), and lands exactly as the per-item preparation in the client's process."""
+    from kmesh_gpu import KVLayout, RopeSpec
+
+    layout = KVLayout.from_vllm("NHD", num_layers=3, num_blocks=24, block_size=16, num_kv_heads=2, head_size=64,
+                                dtype=torch.bfloat16)
+    rope = RopeSpec(64, 64, 1e6, True, 4096, torch.bfloat16)
+    cache = layout.allocate("cuda", fill=POISON)
+    reg = client.register(cache, layout, rope=rope)
+    g = torch.Generator().manual_seed(21)
+    items, kvs, olds, slots, news = [], [], [], [], []
+    start = 20
+    for i, T in enumerate((40, 33, 64)):
+        key = f"flat-{os.getpid()}-{shift}-{i}"
+        kv = torch.randn(2, 3, T, 2, 64, generator=g).to(torch.bfloat16)
+        old = torch.arange(100 * i, 100 * i + T, dtype=torch.int64)
+        client.put(key, kv, old)
+        s = torch.arange(start, start + T, dtype=torch.int64)
+        new = torch.randint(0, 4096, (T,), generator=g)
+        start += T + 5
+        items.append((key, s, new) if shift else (key, s))
+        kvs.append(kv.cuda())
+        olds.append(old)
+        slots.append(s)
+        news.append(new)
+    before = client.status()["counters"]
+    try:
+        client.restore(reg, items)
+        after = client.status()["counters"]
+        assert after["placements_one_array"] == before["placements_one_array"] + 1
+        assert after["placements_per_item"] == before["placements_per_item"]
+        ref = layout.allocate("cuda", fill=POISON)
+        kw = dict(rope=rope, old_positions=olds, new_positions=news) if shift else {}
+        place_many(kvs, ref, layout, slots, backend="torch", **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(cache), _bits(ref))
+    finally:
+        assert client.close_registration(reg, timeout=60) is True
+        for key, *_ in items:
+            client.evict(key)
