@@ -158,7 +158,7 @@ def event_query(event: int) -> bool | None:
 
 
 _EVENT_FNS: list = []  # [(cuEventCreate, cuEventQuery, cuEventSynchronize, cuEventDestroy_v2,
-#                          cuStreamSynchronize, cuStreamQuery) or None]
+#                          cuStreamSynchronize, cuStreamQuery, cuCtxGetCurrent) or None]
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING
 
@@ -171,16 +171,24 @@ def _event_functions():
             create, query = lib.cuEventCreate, lib.cuEventQuery
             sync, destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
             stream_sync, stream_query = lib.cuStreamSynchronize, lib.cuStreamQuery
-            for f in (create, query, sync, destroy, stream_sync, stream_query):
+            current = lib.cuCtxGetCurrent
+            for f in (create, query, sync, destroy, stream_sync, stream_query, current):
                 f.restype = ctypes.c_int
             create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+            current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             for f in (query, sync, destroy, stream_sync, stream_query):
                 f.argtypes = [ctypes.c_void_p]
-            fns = (create, query, sync, destroy, stream_sync, stream_query)
+            fns = (create, query, sync, destroy, stream_sync, stream_query, current)
         except (OSError, AttributeError):
             pass
         _EVENT_FNS.append(fns)
     return _EVENT_FNS[0]
+
+
+#: events no DriverEvent holds any more, per CUDA context, for create() to hand out again
+#: (creating one costs the driver more than recording it; a pool's handle has no other user)
+_SPARE_EVENTS: dict = {}
+_SPARE_MAX = 64  # per context; beyond it dropped events are destroyed
 
 
 class DriverEvent:
@@ -190,24 +198,34 @@ class DriverEvent:
     Quacks like the parts of ``torch.cuda.Event`` that fences use: ``query()``, ``synchronize()``
     and ``cuda_event`` (the raw handle). :meth:`create` returns ``None`` where the driver is not
     loadable or refuses (no context current on this thread, for one); callers then use torch's
-    event. The event is destroyed when the object is dropped (the driver defers that until a
-    pending record has completed).
+    event. When the object is dropped its event goes back to a pool of its context for the next
+    :meth:`create` (or, the pool full, is destroyed: the driver defers that until a pending record
+    has completed); an event from the pool is recorded afresh before anyone waits on it.
     """
 
-    __slots__ = ("cuda_event", "_fns")
+    __slots__ = ("cuda_event", "_fns", "_ctx")
 
-    def __init__(self, handle: int, fns):
-        self.cuda_event, self._fns = handle, fns
+    def __init__(self, handle: int, fns, ctx: int = 0):
+        self.cuda_event, self._fns, self._ctx = handle, fns, ctx
 
     @classmethod
     def create(cls) -> "DriverEvent | None":
         fns = _event_functions() if ENABLED else None
         if fns is None:
             return None
+        ctx = ctypes.c_void_p()
+        if fns[6](ctypes.byref(ctx)) != 0 or not ctx.value:
+            return None
+        spare = _SPARE_EVENTS.get(ctx.value)
+        if spare:
+            try:
+                return cls(spare.pop(), fns, ctx.value)
+            except IndexError:  # another thread took the last one
+                pass
         handle = ctypes.c_void_p()
         if fns[0](ctypes.byref(handle), _DISABLE_TIMING) != 0 or not handle.value:
             return None
-        return cls(handle.value, fns)
+        return cls(handle.value, fns, ctx.value)
 
     @classmethod
     def recorded(cls, stream: int) -> "DriverEvent | None":
@@ -238,7 +256,13 @@ class DriverEvent:
 
     def __del__(self):
         try:
-            self._fns[3](self.cuda_event)
+            spare = _SPARE_EVENTS.get(self._ctx)
+            if spare is None:
+                spare = _SPARE_EVENTS.setdefault(self._ctx, [])
+            if len(spare) < _SPARE_MAX:
+                spare.append(self.cuda_event)
+            else:
+                self._fns[3](self.cuda_event)
         except Exception:  # interpreter shutdown: the driver cleans up with the context
             pass
 

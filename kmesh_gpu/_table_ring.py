@@ -10,6 +10,7 @@ being read, :meth:`TableRing.reserve` returns ``None`` and the caller takes its 
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
@@ -46,44 +47,45 @@ class TableRing:
         self.a64 = self.t64.numpy()
         self._new_event = new_event
         self._head = 0
-        self._regions: list[_Region] = []  # in the order they were lent
+        self._regions: collections.deque[_Region] = collections.deque()  # in the order they were lent
         self._spare: list = []  # events of regions that are free again
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int):
         """``(offset, event)`` of a free region of ``nbytes`` (the caller records ``event`` after
-        the copy that reads it, or calls :meth:`cancel`), or ``None``."""
+        the copy that reads it, or calls :meth:`cancel`), or ``None``.
+
+        Regions are lent at increasing offsets, wrapping to 0, so the ones a new region would
+        overwrite are always the oldest, at the front of the list: a reservation looks at those
+        only (and, when it wraps, first at the abandoned tail's), never at the whole list."""
         n = -(-nbytes // _ALIGN) * _ALIGN
         if n > self.size // 4:  # a table this large is rare: it takes the caller's other path
             return None
         with self._lock:
-            start = self._head if self._head + n <= self.size else 0
+            head = self._head
+            start = head if head + n <= self.size else 0
             end = start + n
-            regions = self._regions
-            keep = []
-            for r in regions:
-                if r.start < end and start < r.end:  # overlaps what would be handed out
-                    if not r.finished():
-                        return None
-                    self._spare.append(r.event)
-                else:
-                    keep.append(r)
-            # regions lent earlier are free once their events completed: drop them from the front
-            while keep and keep[0].finished():
-                self._spare.append(keep.pop(0).event)
-            event = self._spare.pop() if self._spare else self._new_event()
+            regions, spare = self._regions, self._spare
+            while regions:
+                r = regions[0]
+                # overwritten by the new region, or in the tail a wrap leaves behind (older than
+                # the regions at the start it is about to reach)
+                if not (r.start < end and start < r.end) and not (start == 0 and r.start >= head and head):
+                    break
+                if not r.finished():
+                    return None
+                spare.append(regions.popleft().event)
+            event = spare.pop() if spare else self._new_event()
             if event is None:
-                self._regions = keep
                 return None
-            keep.append(_Region(start, end, event))
-            self._regions = keep
+            regions.append(_Region(start, end, event))
             self._head = end
             return start, event
 
     def cancel(self, offset: int) -> None:
         """The region at ``offset`` was not read after all (nothing was queued from it)."""
         with self._lock:
-            for i, r in enumerate(self._regions):
+            for r in reversed(self._regions):  # the newest, as a rule
                 if r.start == offset and not r.done:
                     r.done = True
                     return

@@ -251,7 +251,7 @@ def _addresses(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list
     base = buffer.data_ptr()
     out = []
     for h, o in zip(headers, offsets):
-        if h.torch_dtype is not dt or o % size or h.payload_length != math.prod(h.shape) * size:
+        if not h.dense_kv or o % size or h.torch_dtype is not dt:
             return None
         out.append(base + o)
     return out, dt

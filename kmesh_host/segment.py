@@ -226,6 +226,12 @@ class SegmentHeader:
         p = self.positions
         return torch.from_numpy(p if p.dtype == np.int64 and p.flags.writeable else p.astype(np.int64))
 
+    @functools.cached_property
+    def dense_kv(self) -> bool:
+        """The payload's first ``payload_length`` bytes are exactly the KV tensor's (its shape times
+        its dtype's size): a view of them needs no other check."""
+        return self.payload_length == math.prod(self.shape) * self.torch_dtype.itemsize
+
     def kv_view(self, payload: torch.Tensor) -> torch.Tensor:
         """``kv`` as a view of a uint8 tensor holding the (padded) payload, on any device."""
         return payload[: self.payload_length].view(self.torch_dtype).view(self.shape)

@@ -86,3 +86,24 @@ def test_caller_stream_records_driver_events():
     assert isinstance(event, _launch.DriverEvent)
     streams.sync()
     assert event.query()
+
+
+@pytest.mark.gpu
+def test_a_dropped_driver_event_is_handed_out_again_and_orders_its_new_record():
+    """A dropped DriverEvent's handle goes back to its context's pool: the next create() gets it,
+    and a record made by the new owner is what queries and waits see (not the old one's)."""
+    import gc
+
+    stream = torch.cuda.Stream()
+    old = _launch.DriverEvent.recorded(stream.cuda_stream)
+    old.synchronize()
+    handle = old.cuda_event
+    del old
+    gc.collect()
+    new = _launch.DriverEvent.create()
+    assert new is not None and new.cuda_event == handle  # recycled, no cuEventCreate
+    _busy(stream)
+    assert new.record(stream.cuda_stream)
+    assert new.query() is False  # the new record, behind the spin kernel
+    new.synchronize()
+    assert new.query() is True and stream.query()

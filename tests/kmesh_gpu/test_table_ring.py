@@ -113,3 +113,30 @@ def test_ring_events_fence_a_real_copy():
     assert ring.reserve(1 << 14) is None  # every region's copy waits behind the spin kernel
     stream.synchronize()
     assert ring.reserve(1 << 14)[0] == regions[0]
+
+
+def test_a_lent_region_never_overlaps_one_still_being_read():
+    """Many laps of random sizes and completion orders: every region handed out is disjoint from
+    every region whose event has not completed, and the ring keeps lending as regions complete."""
+    import random
+
+    rng = random.Random(3)
+    ring, made = _ring(1 << 14)
+    live = []  # (start, end, event) not yet complete
+    lent = 0
+    for _ in range(3000):
+        if live and rng.random() < 0.45:  # some copy completes, not necessarily the oldest
+            i = rng.randrange(len(live)) if rng.random() < 0.3 else 0
+            live.pop(i)[2].complete = True
+        n = rng.choice([64, 200, 700, 1500, 4096])
+        got = ring.reserve(n)
+        if got is None:
+            continue
+        start, event = got
+        event.complete = False  # the borrower records it after its copy (a reused event too)
+        end = start + n
+        assert start % 256 == 0 and end <= ring.size
+        assert all(not (s < end and start < e) for s, e, _ in live)
+        live.append((start, end, event))
+        lent += 1
+    assert lent > 1000  # it kept lending
