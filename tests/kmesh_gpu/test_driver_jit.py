@@ -173,22 +173,13 @@ def test_copies_htod_uses_the_compiled_sequence_with_the_driver_table(monkeypatc
 def test_placement_through_driver_calls_matches_the_torch_and_cupy_path(monkeypatch, with_rope):
     import importlib
 
-    from kmesh_gpu import KVLayout, RopeSpec, _place_driver
+    from kmesh_gpu import _place_driver
 
     place_mod = importlib.import_module("kmesh_gpu.place")
     assert _launch.driver_jit() is not None, "the GPU machine has libcuda and Numba"
-    gen = torch.Generator().manual_seed(3)
-    L, H, D, N = 4, 2, 128, 16
-    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=64, block_size=N, num_kv_heads=H, head_size=D,
-                                dtype=torch.bfloat16)
-    rope = RopeSpec(D, D, 10000.0, True, 4096, torch.bfloat16) if with_rope else None
-    T = (48, 80, 33)
-    kvs = [torch.randn(2, L, t, H, D, generator=gen).to(torch.bfloat16).cuda() for t in T]
-    slots = list(torch.split(torch.arange(40, 40 + sum(T), dtype=torch.int64), T))
-    kw = {}
-    if with_rope:
-        kw = dict(rope=rope, old_positions=[torch.randint(0, 4096, (t,), generator=gen) for t in T],
-                  new_positions=[torch.randint(0, 4096, (t,), generator=gen) for t in T])
+    layout, rope, T, kvs, flat_slots, old, new = _flat_case(with_rope, torch.Generator().manual_seed(3))
+    slots = _split(flat_slots, T)
+    kw = dict(rope=rope, old_positions=_split(old, T), new_positions=_split(new, T)) if with_rope else {}
     out = {}
     for enabled in (True, False):
         monkeypatch.setattr(_place_driver, "ENABLED", enabled)
@@ -252,6 +243,11 @@ def test_prepare_flat_declines_a_cache_off_the_gpu():
     assert _place_driver.prepare_flat([kv], layout.allocate(fill=0), layout, (16,), np.arange(16)) is None
 
 
+def _split(values: np.ndarray, counts) -> list:
+    """One int64 array over all items as per-item CPU tensors."""
+    return list(torch.split(torch.from_numpy(values), counts))
+
+
 def _flat_case(with_rope: bool, gen):
     from kmesh_gpu import KVLayout, RopeSpec
 
@@ -281,10 +277,9 @@ def test_prepare_flat_places_what_prepare_place_many_places(with_rope):
                                         new_positions=new)
     assert launch is not None and launch.tables["driver_launch"] is not None
     launch.run()
-    split = lambda a: list(torch.split(torch.from_numpy(a), T))  # noqa: E731
-    kw = dict(rope=rope, old_positions=split(old), new_positions=split(new)) if with_rope else {}
+    kw = dict(rope=rope, old_positions=_split(old, T), new_positions=_split(new, T)) if with_rope else {}
     expected = layout.allocate(fill=0x3C, device="cuda")
-    place_mod.place_many(kvs, expected, layout, split(slots), backend="torch", **kw)
+    place_mod.place_many(kvs, expected, layout, _split(slots, T), backend="torch", **kw)
     torch.cuda.synchronize()
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
