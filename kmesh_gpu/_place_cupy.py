@@ -166,8 +166,6 @@ def driver_template(layout: KVLayout, dev_id: int, rope, consts) -> tuple | None
     return ptr, per_run, L, packed, n
 
 
-_BLOCK_256 = np.array([256, 1, 1], dtype=np.int64)
-
 
 # (device, dtype, id(layout), id(rope), gather, kernel shape) -> (layout, rope, function, L, warps per run,
 # the run kernel's typed arguments that depend on the layout and RoPE only), made once
