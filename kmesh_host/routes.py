@@ -444,30 +444,36 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         _stamp("leased")
         offsets, total = _layout_offsets(headers)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        _stamp("buffer allocated")
+        base = buffer.data_ptr()
         # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
         # digests of several objects run side by side on separate streams, so they keep _Streams
         lean = device.type == "cuda" and all(
             lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
         streams = _CallerStream(device) if lean else _Streams(device)
+        early = 0  # objects whose copy is already queued
+        if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
+            addr, pinned = leases[0].payload_memory()
+            early = int(pinned and _driver.copy_htod(base + offsets[0], addr, headers[0].padded_length,
+                                                     streams.copy_handle()))
+        _stamp("buffer allocated")
         # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
         resident = [i for i in range(n) if leases[i] is not None]
         resident_event = None
         if resident:
             handle = streams.copy_handle()
-            base = buffer.data_ptr()
             with streams.on_copy():
                 # pinned payloads: the driver's copies, all in one compiled call where it serves
                 # (torch's copy_ costs several times more); the others (and any the driver
                 # refused) through torch, in order after them
                 rows = []
                 if handle is not None:
-                    for i in resident:
+                    for i in resident[early:]:
                         addr, pinned = leases[i].payload_memory()
                         if not pinned:
                             break
                         rows.append((base + offsets[i], addr, headers[i].padded_length))
-                queued = _driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), handle) if rows else 0
+                queued = early + (_driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), handle)
+                                  if rows else 0)
                 for i in resident[queued:]:
                     off, nbytes = offsets[i], headers[i].padded_length
                     buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)

@@ -631,3 +631,40 @@ def test_resident_child_runs_on_the_callers_stream(store, segments, trust):
                              layout=layout, rope=ROPE, trust_verified=False)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
     tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("refused", ["none", "the first copy", "the other copies"])
+def test_resident_child_copies_exactly_whichever_driver_copy_is_refused(store, segments, monkeypatch, refused):
+    """A trusted resident child queues its first object's copy alone, before anything else, then the
+    others in one call; where the driver refuses either, torch copies what is left, in order."""
+    from kmesh_gpu import _launch
+
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    tier = make_tier(store, "cuda", retain=True)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                         layout=layout, rope=ROPE)
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    calls = []
+    real_one, real_many = _launch.copy_htod, _launch.copies_htod
+
+    def one(*a):
+        calls.append("one")
+        return False if refused == "the first copy" else real_one(*a)
+
+    def many(desc, count, stream):
+        calls.append(("many", count))
+        return 0 if refused == "the other copies" else real_many(desc, count, stream)
+
+    monkeypatch.setattr(_launch, "copy_htod", one)
+    monkeypatch.setattr(_launch, "copies_htod", many)
+    cache = layout.allocate("cuda", fill=0x7F)
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    n = len(segments)
+    assert calls == ["one", ("many", n - 1 if refused != "the first copy" else n)]
+    assert result.report.tier_sources == {"hit": 3} and result.report.placed
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    for (_, kv, _), got in zip(segments, result.kv):
+        assert torch.equal(got.cpu(), kv)
+    tier.close()
