@@ -6,9 +6,10 @@ Public entry points validate everything before any byte is written; backends the
 * ``place_many`` — many segments into one or several caches (e.g. 4 segments x 4 children) in one launch.
 * ``gather``     — read cache slots back into a ``(2, L, T, H, D)`` segment tensor (used when saving).
 
-Backends: ``"torch"`` (reference, any device), ``"warp"`` (CPU and CUDA), ``"cupy"`` (CUDA,
-``csrc/place.cu``). All give identical bits: the fp32 shift uses one fixed operation order without
-fused multiply-adds (see :mod:`kmesh_gpu.rope`).
+Backends: ``"torch"`` (reference, any device; ``_place_torch``), ``"warp"`` (CPU and CUDA;
+``_place_warp``), ``"cupy"`` (CUDA, ``csrc/place.cu``; ``_place_cupy``). All give identical bits:
+the fp32 shift uses one fixed operation order without fused multiply-adds (see
+:mod:`kmesh_gpu.rope`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import torch
 
 from . import _backend, _host_tables, _place_driver
 from .errors import BackendError, LayoutError
-from ._place_tables import (_RUN_COLS, _align_bits, _consts, _fp8_table, _i64, _run_table, _runs, _runs_pay,
+from ._place_tables import (_RUN_COLS, _align_bits, _consts, _i64, _run_table, _runs, _runs_pay,
                             _tables, _tok_tables, _token_index, _vec16)
+from ._place_torch import torch_run
 from .layout import KVLayout, storage_dtype
-from .rope import RopeSpec, shift_fp32
-
-FP8_MAX = 448.0
+from .rope import RopeSpec
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -254,63 +254,6 @@ def _k_scale(k_scale, L: int) -> torch.Tensor:
     return s
 
 
-# ---------------------------------------------------------------------------------- torch backend
-def _offsets(layout: KVLayout, which: int, layer, slots: torch.Tensor, per_layer: bool) -> torch.Tensor:
-    """int64 element offsets, shape (L or 1, T, H, D), for K (which=0) or V (which=1)."""
-    st = layout.k_strides if which == 0 else layout.v_strides
-    off = layout.k_offset if which == 0 else layout.v_offset
-    dev = slots.device
-    N = layout.block_size
-    blk, pos = slots // N, slots % N
-    h = torch.arange(layout.num_kv_heads, device=dev)
-    d = torch.arange(layout.head_size, device=dev)
-    lyr = torch.as_tensor(layer, device=dev).reshape(-1, 1, 1, 1)
-    lstride = 0 if per_layer else st[0]
-    return (off + lyr * lstride + (blk * st[1] + pos * st[3]).reshape(1, -1, 1, 1)
-            + (h * st[2]).reshape(1, 1, -1, 1) + (d * st[4]).reshape(1, 1, 1, -1))
-
-
-def _shifted_keys(k: torch.Tensor, old, new, rope: RopeSpec, scale, layout: KVLayout) -> torch.Tensor:
-    """K (L, T, H, D) in storage dtype -> shifted K in storage dtype (one rounding)."""
-    if layout.storage_dtype == torch.uint8:
-        s = scale.to(k.device).reshape(-1, 1, 1, 1)
-        x = _fp8_table(str(k.device))[k.long()] * s
-        y = shift_fp32(x, old, new, rope)
-        return (y / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return shift_fp32(k.float(), old, new, rope).to(k.dtype)
-
-
-def _torch_run(items, cache_views, layout, rope, scale, *, gather: bool) -> None:
-    for it in items:
-        flats, per_layer = cache_views[it.cache_key]
-        dev = it.kv.device
-        valid = it.slots >= 0
-        if not bool(valid.any()):
-            continue
-        vidx = torch.from_numpy(np.flatnonzero(valid)).to(dev)
-        sl = torch.from_numpy(it.slots[valid]).to(dev)
-        src = it.kv.index_select(2, vidx)  # (2, L, T', H, D)
-        if rope is not None and not gather:
-            k = _shifted_keys(src[0], torch.from_numpy(it.old[valid]).to(dev), torch.from_numpy(it.new[valid]).to(dev),
-                              rope, scale, layout)
-            src = torch.stack((k, src[1]))
-        layers = range(layout.num_layers)
-        for which in (0, 1):
-            if per_layer:
-                for l in layers:
-                    off = _offsets(layout, which, 0, sl, True)[0]
-                    if gather:
-                        it.kv[which, l, vidx] = flats[l][off]
-                    else:
-                        flats[l][off] = src[which, l]
-            else:
-                off = _offsets(layout, which, torch.arange(layout.num_layers), sl, False)
-                if gather:
-                    it.kv[which][:, vidx] = flats[0][off]
-                else:
-                    flats[0][off] = src[which]
-
-
 # ---------------------------------------------------------------------------------- kernel tables
 _VEC_PER = 2  # chunks of 8 elements per lane in kmesh_place_vec
 _VEC_LPT = 4  # layers per lane in kmesh_place_vec
@@ -381,7 +324,7 @@ class _Launch:
         if self.empty:
             return
         if self.backend == "torch":
-            _torch_run(self.items, self.views, self.layout, self.rope, self.scale, gather=self.gather)
+            torch_run(self.items, self.views, self.layout, self.rope, self.scale, gather=self.gather)
         elif self.backend == "cupy":
             plan = self.tables.get("driver_launch") if self.tables is not None else None
             if plan is not None and _place_driver.launch(plan):
