@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
