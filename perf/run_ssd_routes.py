@@ -113,18 +113,23 @@ def sync(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------------- limits
-def disk_bandwidth(data_dir: str, mib: int, threads: int, chunk: int, reps: int = 3, engine: str = "auto") -> dict:
-    """Sequential O_DIRECT read bandwidth of a fresh ``mib`` MiB file (page cache dropped first)."""
-    path = os.path.join(data_dir, "seqread.bin")
-    block = np.random.default_rng(7).integers(0, 256, 64 * MIB, dtype=np.uint8).tobytes()
+def write_file(path: str, nbytes: int, seed: int = 7) -> None:
+    """``nbytes`` of random bytes (a 64 MiB block repeated) written to ``path`` and fsynced."""
+    block = np.random.default_rng(seed).integers(0, 256, min(nbytes, 64 * MIB), dtype=np.uint8).tobytes()
     with open(path, "wb") as f:
-        left = mib * MIB
+        left = nbytes
         while left > 0:
             n = min(left, len(block))
             f.write(block[:n])
             left -= n
         f.flush()
         os.fsync(f.fileno())
+
+
+def disk_bandwidth(data_dir: str, mib: int, threads: int, chunk: int, reps: int = 3, engine: str = "auto") -> dict:
+    """Sequential O_DIRECT read bandwidth of a fresh ``mib`` MiB file (page cache dropped first)."""
+    path = os.path.join(data_dir, "seqread.bin")
+    write_file(path, mib * MIB)
     size = mib * MIB
     times, o_direct, note = [], None, None
     try:

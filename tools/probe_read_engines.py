@@ -14,27 +14,16 @@ import argparse
 import glob
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+from run_ssd_routes import MIB, write_file  # noqa: E402
 
-from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
-
-MIB = 1 << 20
-
-
-def _write(path: str, nbytes: int, seed: int) -> None:
-    data = np.random.default_rng(seed).integers(0, 256, min(nbytes, 64 * MIB), dtype=np.uint8).tobytes()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            n = min(left, len(data))
-            f.write(data[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
+from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine  # noqa: E402
 
 
 def _read_all(engine: ReadEngine, paths: list[str], sizes: list[int], buffers: list[HostBuffer]) -> float:
@@ -76,10 +65,10 @@ def main() -> None:
     chunk = args.chunk_kib * 1024
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         seq = os.path.join(tmp, "seq.bin")
-        _write(seq, args.seq_mib * MIB, 1)
+        write_file(seq, args.seq_mib * MIB, 1)
         child = [os.path.join(tmp, f"obj{i}.bin") for i in range(4)]
         for i, p in enumerate(child):
-            _write(p, 3 * MIB + ALIGN, 10 + i)
+            write_file(p, 3 * MIB + ALIGN, 10 + i)
         seq_buf = [HostBuffer(args.seq_mib * MIB)]
         child_bufs = [HostBuffer(3 * MIB + ALIGN) for _ in child]
         engines = {name: ReadEngine(args.depth, chunk, engine=name) for name in ("threads", "io_uring")}
