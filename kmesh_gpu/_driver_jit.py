@@ -37,6 +37,8 @@ _NAMES = ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuLaunchKernel")
 RUNS_DO_NOT_PAY = -10  # runs too short on average: the per-token kernel is faster
 COPY_REFUSED = -11  # the driver refused the table's upload: nothing was queued
 RECORD_REFUSED = -12  # the upload is queued but its fence was not recorded (wait for the stream)
+LAUNCH_REFUSED = -13  # place_now: the table's upload is queued, unfenced; the launch was refused
+UNFENCED = -14  # place_now: launched, but the fence after it was not recorded
 
 
 @intrinsic
@@ -59,6 +61,19 @@ def _ccall(typingctx, address, args):
 
 _JIT = dict(nogil=True, cache=True)
 _build_jit = numba.njit(**_JIT)(_build)
+
+
+@intrinsic
+def _int64_ptr(typingctx, address):
+    """The integer ``address`` as an ``int64*`` (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+    ptr = types.CPointer(types.int64)
+
+    def codegen(context, builder, signature, llargs):
+        return builder.inttoptr(llargs[0], context.get_value_type(ptr))
+
+    return ptr(address), codegen
 
 
 @numba.njit(**_JIT)
@@ -109,6 +124,71 @@ def launch(fns, function, grid, block, stream, args, count):
                                 u32(block[2]), u32(0), stream, base + 8 * count, np.int64(0)))
 
 
+@numba.njit(**_JIT)
+def place_now(fns, srcs, layer_base, starts, ptrs, params, need_increasing, ring, o, host, device, stream, event,
+              kernel, template):
+    """Gather, build, upload and launch the run kernel's placement in one call.
+
+    ``srcs``: addresses of each item's host int64 indices, ``n`` (slots) or ``3 n`` (old positions,
+    new positions, slots: with RoPE) of them, item ``i`` holding ``starts[i + 1] - starts[i]``
+    values. They are gathered into ``ring[o:]`` (the table ring's int64 view; the region's address
+    is ``host``) after ``layer_base`` as ``[layer bases L | old, new positions 2T | slots T | runs
+    7T]``, the run table is built there (:func:`build_upload`) and uploaded to ``device``, the
+    kernel ``kernel = (function, warps per run, warps to fill the GPU, argument count)`` is launched
+    with ``template``'s packed arguments (``_place_cupy.driver_template``) and this table's
+    addresses, and ``event`` is recorded after it: it fences both the host region and the device
+    table, which the kernel reads.
+
+    Returns R (launched and fenced), a code of ``_host_tables`` or :data:`RUNS_DO_NOT_PAY` (nothing
+    queued), :data:`COPY_REFUSED` (nothing queued), :data:`LAUNCH_REFUSED` (the upload is queued,
+    unfenced, nothing launched) or :data:`UNFENCED` (launched, not fenced). After the last two the
+    caller waits for the stream before the region is used again."""
+    L = layer_base.shape[0]
+    n = starts.shape[0] - 1
+    T = starts[n]
+    h = ring[o:o + L + 10 * T]
+    h[:L] = layer_base
+    rope = srcs.shape[0] == 3 * n
+    for k in range(srcs.shape[0]):
+        i = k % n
+        c = starts[i + 1] - starts[i]
+        at = L + (k // n if rope else 2) * T + starts[i]
+        h[at:at + c] = numba.carray(_int64_ptr(srcs[k]), (c,))
+    if rope:
+        pos = h[L:L + 2 * T]
+    else:
+        h[L:L + 2 * T] = 0  # never read without RoPE
+        pos = h[:0]
+    runs_at = L + 3 * T
+    R = _build_jit(h[L + 2 * T:runs_at], starts, ptrs, params, need_increasing, pos,
+                   h[runs_at:].reshape((T, 7)))
+    if R <= 0:
+        return R
+    if 2 * T < params[2] * R:  # runs average under cap / 2 (as place._compiled_runs)
+        return RUNS_DO_NOT_PAY
+    if _ccall(fns[COPY_HTOD], (device, host, (runs_at + 7 * R) * 8, stream)) != 0:
+        return COPY_REFUSED
+    # as _place_driver._launch_plan: enough warps to fill the GPU before a warp takes several layers
+    function, per_run, units, count = kernel[0], kernel[1], kernel[2], kernel[3]
+    groups = min(L, max(1, -(-units // (per_run * R))))
+    lg = -(-L // groups)
+    warps = per_run * R * (-(-L // lg))
+    args = template.copy()
+    args[0], args[1], args[2], args[3], args[4], args[6] = device + 8 * runs_at, device + 8 * L, device, R, T, lg
+    base = args.ctypes.data
+    for i in range(count):
+        args[count + i] = base + 8 * i
+    u32 = np.uint32
+    rc = _ccall(fns[LAUNCH], (function, u32(-(-warps // 8)), u32(1), u32(1), u32(256), u32(1), u32(1), u32(0),
+                              stream, base + 8 * count, np.int64(0)))
+    args[0] = 0  # args (the parameters the driver reads during the call) stays alive until here
+    if rc != 0:
+        return LAUNCH_REFUSED
+    if _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+        return UNFENCED
+    return R
+
+
 def _compile_used_signatures() -> None:
     """Compile (or load from Numba's cache) each function for the argument types its callers pass,
     now rather than inside a caller's first restore; nothing is called."""
@@ -116,9 +196,12 @@ def _compile_used_signatures() -> None:
     fns = np.zeros(3, dtype=i64)
     fns.setflags(write=False)  # driver_table()'s array is read-only
     vec, mat, n = np.zeros(4, dtype=i64), np.zeros((4, 7), dtype=i64), 0
+    ro = np.zeros(4, dtype=i64)  # read-only inputs (layer bases, item starts, the launch's constants)
+    ro.setflags(write=False)
     examples = ((copies, (fns, np.zeros((1, 3), dtype=i64), n, n, n)),
                 (build_upload, (fns, vec, vec, vec, vec, True, vec, mat, n, n, n, n, n)),
-                (launch, (fns, n, vec, vec, n, vec, n)))
+                (launch, (fns, n, vec, vec, n, vec, n)),
+                (place_now, (fns, vec, ro, ro, vec, vec, True, vec, n, n, n, n, n, ro, ro)))
     for fn, args in examples:
         fn.compile(tuple(numba.typeof(a) for a in args))
 

@@ -190,9 +190,117 @@ def prepare_flat(kvs, cache, layout, counts: tuple, slots: np.ndarray, *, rope=N
     return P._Launch._built(layout, device, rope, None, "cupy", tables)
 
 
+def place_now(addresses, shapes, dtype: torch.dtype, cache, layout, slots, *, rope=None, old_positions=None,
+              new_positions=None, backend: str = "auto") -> bool:
+    """``place._prepare_at(...).run()`` in one compiled call (:func:`._driver_jit.place_now`): the
+    indices gathered, checked and tabulated in a region of the device's table ring, the table
+    uploaded to the same region of the ring's device mirror and the run kernel launched on the
+    current stream, with the region's fence recorded after the kernel (which reads the mirror).
+
+    For a restore's staging buffer (items by address, as ``_prepare_at``; private: a wrong address
+    or shape lets the launch read other memory). ``True`` once launched; ``False`` when this path
+    does not apply or declines (nothing of the placement is queued): the caller takes
+    ``_prepare_at`` / ``prepare_place_many``, which decide and name any error.
+    """
+    state = _STATE[0] if _STATE else _state()
+    if state is None or not ENABLED or not _launch.ENABLED or backend not in ("auto", "cupy"):
+        return False
+    P = _PLACE[0] if _PLACE else _place()
+    n = len(addresses)
+    if not (P._FAST and P._COMPILED and P._RUNS) or type(cache) is not torch.Tensor or not n or len(slots) != n \
+            or len(shapes) != n:
+        return False
+    if rope is None:
+        seqs = slots
+    elif old_positions is None or new_positions is None or len(old_positions) != n or len(new_positions) != n:
+        return False
+    else:
+        seqs = (*old_positions, *new_positions, *slots)
+    try:
+        P._check_args(layout, rope, old_positions, new_positions)
+        f = P._facts(cache, layout, rope, "cache")
+    except P.LayoutError:
+        return False
+    lane = f.lane
+    if lane is None or (lane and lane[0] != (P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF, P._RUN_UNITS)):
+        lane = _lane(f, layout, rope, state)
+    if not lane:
+        return False
+    _, dev_id, want, kernel, template, params, ring, mirror = lane
+    jit = state[0]
+    if state[2]() != dev_id or (dtype is not want and P.storage_dtype(dtype) != want):
+        return False
+    L, H, D = f.kv_shape
+    bits, counts = f.bits, []
+    for s, p in zip(shapes, addresses):
+        if len(s) != 5 or s[0] != 2 or s[1] != L or s[3] != H or s[4] != D:
+            return False
+        counts.append(s[2])
+        bits |= p
+    if bits % 16:
+        return False
+    srcs = []
+    for x, c in zip(seqs, counts * (len(seqs) // n)):
+        if type(x) is not torch.Tensor or x.dtype is not torch.int64 or not x.is_cpu or x.dim() != 1 \
+                or x.shape[0] != c or not x.is_contiguous():
+            return False
+        srcs.append(x.data_ptr())
+    T = sum(counts)
+    got = ring.reserve(8 * (L + 10 * T)) if T else None
+    if got is None:
+        return False
+    offset, event = got
+    stream = _launch.current_stream(dev_id)
+    R = jit.place_now(state[1], _i64(srcs), f.layer_base, P._token_index(tuple(counts), f.row)[0], _i64(addresses),
+                      params, True, ring.a64, offset // 8, ring.base + offset, mirror + offset, stream,
+                      event.cuda_event, kernel, template)
+    if R > 0:
+        return True
+    if R == jit.UNFENCED or R == jit.LAUNCH_REFUSED:  # queued work reads the region: wait, it is then free
+        if not _launch.stream_synchronize(stream):
+            torch.cuda.current_stream(f.device).synchronize()
+    ring.cancel(offset)
+    return R == jit.UNFENCED
+
+
+def _lane(f, layout, rope, state):
+    """:func:`place_now`'s constants for the cache of ``f``: ``(kernel shape, device index, storage
+    dtype, (function, warps per run, warps to fill the GPU, argument count), packed arguments, run
+    builder constants, table ring, its device mirror's address)``, or ``False`` (stored on ``f``)."""
+    P = _place()
+    f.lane = False
+    dev_id = f.device.index
+    if not f.ok or not f.cuda or dev_id is None or layout.storage_dtype == torch.uint8 or not f.vec16:
+        return False  # (fp8: its K scales come with each call)
+    try:
+        if P._backend.choose("auto", f.device) != "cupy":
+            return False
+    except P.BackendError:
+        return False
+    if f.cap[0] != P._RUN_GROUPS:
+        f.cap = (P._RUN_GROUPS, P._run_cap(f.layout, f.rope, False))
+    cap = f.cap[1]
+    ring = f.ring if f.ring is not None else _ring(f, dev_id)
+    mirror = ring.device_mirror(f.device) if ring is not False else 0
+    found = state[3].driver_template(layout, dev_id, rope, f.consts) if cap and mirror else None
+    if found is None:
+        return False
+    fn, per_run, _, template, count = found
+    kernel = np.array([fn, per_run, P._RUN_UNITS, count], dtype=np.int64)
+    kernel.setflags(write=False)
+    shape = (P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF, P._RUN_UNITS)  # (tools sweep them)
+    f.lane = (shape, dev_id, layout.storage_dtype, kernel, template, P._run_params(f, layout, cap), ring, mirror)
+    return f.lane
+
+
+_PLACE: list = []  # [the placement module], once
+
+
 def _place():
     """The placement module (imported by name: it imports this one while it loads)."""
-    return importlib.import_module("kmesh_gpu.place")
+    if not _PLACE:
+        _PLACE.append(importlib.import_module("kmesh_gpu.place"))
+    return _PLACE[0]
 
 
 def _ring(f, dev_id: int):

@@ -50,6 +50,20 @@ class TableRing:
         self._regions: collections.deque[_Region] = collections.deque()  # in the order they were lent
         self._spare: list = []  # events of regions that are free again
         self._lock = threading.Lock()
+        #: device memory of the ring's size, for borrowers whose fence follows every reader of their
+        #: region there too (``_place_driver.place_now``); made on first use (:meth:`device_mirror`)
+        self.mirror = None
+
+    def device_mirror(self, device) -> int:
+        """Address of the ring's device mirror on ``device`` (made once; 0 where it cannot be)."""
+        if self.mirror is None:
+            with self._lock:
+                if self.mirror is None:
+                    try:
+                        self.mirror = torch.empty(self.size, dtype=torch.uint8, device=device)
+                    except RuntimeError:  # out of device memory: the borrower's other path
+                        self.mirror = False
+        return self.mirror.data_ptr() if self.mirror is not False else 0
 
     def reserve(self, nbytes: int):
         """``(offset, event)`` of a free region of ``nbytes`` (the caller records ``event`` after

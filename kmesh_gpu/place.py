@@ -356,7 +356,7 @@ class _Facts:
     is not kept alive): another tensor with those passes the same checks."""
 
     __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
-                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches")
+                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches", "lane")
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
         flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
@@ -381,6 +381,7 @@ class _Facts:
         self.params: dict = {}  # longest run -> the compiled run builder's constants (_host_tables.PARAMS)
         self.ring = None  # the device's table ring (_place_driver), looked up on first use; False: none
         self.launches = None  # kernel shape -> the run kernel's packed launch arguments (_place_driver)
+        self.lane = None  # _place_driver.place_now's constants for this cache; False: it does not apply
 
 
 def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:

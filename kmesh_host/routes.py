@@ -56,6 +56,7 @@ import torch
 
 import kmesh_gpu
 from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
+from kmesh_gpu import _place_driver  # the all-resident path's placement in one compiled call
 from kmesh_gpu.errors import IntegrityError, LayoutError
 from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
@@ -240,6 +241,29 @@ class _Placement:
     def run(self) -> None:
         with self.streams.on_work():
             self.launch.run()
+
+
+#: the all-resident path's placement prepared and launched in one compiled call
+#: (``_place_driver.place_now``); ``False``: in steps, as on the other paths (tests and benchmarks
+#: compare them)
+LANE = True
+
+
+def _place_now(buffer: torch.Tensor, offsets: list[int], targets, headers: list[SegmentHeader], *, cache, layout,
+               rope, k_scale, backend, streams) -> bool:
+    """The placement launched on the caller's stream by ``_place_driver.place_now``; ``False`` where
+    that path does not apply (nothing queued: the caller prepares it the usual way)."""
+    if not LANE or k_scale is not None:
+        return False
+    at = _addresses(buffer, headers, offsets)
+    if at is None:
+        return False
+    olds = news = None
+    if rope is not None:
+        news = [t.new_positions for t in targets]
+        olds = [h.positions_int64 for h in headers]
+    return _place_driver.place_now(at[0], [h.shape for h in headers], at[1], cache, layout, [t.slots for t in targets],
+                                   rope=rope, old_positions=olds, new_positions=news, backend=backend)
 
 
 def _addresses(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[int]):
@@ -443,12 +467,12 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 check_fingerprint(h, model_fingerprint)
         _stamp("leased")
         offsets, total = _layout_offsets(headers)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        base = buffer.data_ptr()
         # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
         # digests of several objects run side by side on separate streams, so they keep _Streams
         lean = device.type == "cuda" and all(
             lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        base = buffer.data_ptr()
         streams = _CallerStream(device) if lean else _Streams(device)
         early = 0  # objects whose copy is already queued
         if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
@@ -486,12 +510,19 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             _check_placement(targets, headers, rope)
         placing = dict(cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend, streams=streams)
         if lean:  # nothing to read or check: prepare, launch, then the bookkeeping while the GPU works
-            placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
-            if placement is not None:
-                placement.run()
+            placement = None
+            tp = time.perf_counter()
+            placed = cache is not None and _place_now(buffer, offsets, targets, headers, **placing)
+            if placed:
+                prepare_s = time.perf_counter() - tp
                 _stamp("placement launched")
+            else:
+                placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
+                if placement is not None:
+                    placement.run()
+                    _stamp("placement launched")
             report = _new_report(device, engine)
-            report.placed = placement is not None
+            report.placed = placed or placement is not None
             verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
             for i in range(n):
                 sources["hit"] = sources.get("hit", 0) + 1

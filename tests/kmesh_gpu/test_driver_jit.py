@@ -12,46 +12,11 @@ import pytest
 import torch
 
 from kmesh_gpu import _host_tables, _launch
+from tests.helpers.fake_driver import FakeDriver
 
 dj = pytest.importorskip("kmesh_gpu._driver_jit", reason="needs Numba (a dependency)")
 
 C = ctypes
-_COPY = C.CFUNCTYPE(C.c_int, C.c_uint64, C.c_uint64, C.c_uint64, C.c_uint64)
-_RECORD = C.CFUNCTYPE(C.c_int, C.c_uint64, C.c_uint64)
-_LAUNCH = C.CFUNCTYPE(C.c_int, C.c_uint64, *([C.c_uint32] * 7), C.c_uint64, C.c_uint64, C.c_uint64)
-
-
-class FakeDriver:
-    """Stand-in driver functions: copies are memmoves (host to host), every call is logged, and
-    the n-th call of a kind can be refused."""
-
-    def __init__(self, refuse=None):
-        self.calls: list = []
-        self.refuse = refuse or {}  # kind -> the call number (0-based) that returns an error
-
-    def _rc(self, kind: str) -> int:
-        n = sum(1 for c in self.calls if c[0] == kind) - 1
-        return 1 if self.refuse.get(kind) == n else 0
-
-    def copy(self, dst, src, nbytes, stream):
-        self.calls.append(("copy", dst, src, nbytes, stream))
-        rc = self._rc("copy")
-        if rc == 0:
-            C.memmove(dst, src, nbytes)
-        return rc
-
-    def record(self, event, stream):
-        self.calls.append(("record", event, stream))
-        return self._rc("record")
-
-    def launch(self, fn, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
-        p = C.cast(params, C.POINTER(C.c_uint64))
-        self.calls.append(("launch", fn, (gx, gy, gz), (bx, by, bz), shmem, stream, p, extra))
-        return self._rc("launch")
-
-    def table(self) -> np.ndarray:
-        self._keep = (_COPY(self.copy), _RECORD(self.record), _LAUNCH(self.launch))
-        return np.array([C.cast(f, C.c_void_p).value for f in self._keep], dtype=np.int64)
 
 
 def _copy_rows(srcs, dsts):

@@ -668,3 +668,48 @@ def test_resident_child_copies_exactly_whichever_driver_copy_is_refused(store, s
     for (_, kv, _), got in zip(segments, result.kv):
         assert torch.equal(got.cpu(), kv)
     tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["one call", "declined", "in steps"])
+def test_resident_child_places_exactly_in_one_call_or_in_steps(store, segments, monkeypatch, case):
+    """The trusted resident child's placement prepared and launched in one compiled call (host
+    slots in increasing order, as a scheduler's block tables give them), declined by that call
+    (slots in random order on the GPU: nothing queued, prepared in steps after it), or in steps
+    from the start: the same cache and objects every time."""
+    from kmesh_gpu import _place_driver
+    from kmesh_host import routes
+
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    if case != "declined":  # blocks of 64: runs long enough for the run kernel to pay
+        layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=8, block_size=64, num_kv_heads=H, head_size=D,
+                                    dtype=DTYPE)
+        cache = layout.allocate("cuda", fill=0x7F)
+        start, ordered = 0, []
+        for t in targets:
+            T = t.slots.numel()
+            ordered.append(RestoreTarget(t.key, torch.arange(start + 3, start + 3 + T), t.new_positions.cpu()))
+            start += T + 7
+        targets = ordered
+    tier = make_tier(store, "cuda", retain=True)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                         layout=layout, rope=ROPE)
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    monkeypatch.setattr(routes, "LANE", case != "in steps")
+    launched, real = [], _place_driver.place_now
+
+    def counted(*a, **k):
+        launched.append(real(*a, **k))
+        return launched[-1]
+
+    monkeypatch.setattr(_place_driver, "place_now", counted)
+    for _ in range(3):
+        cache = layout.allocate("cuda", fill=0x7F)
+        result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                      layout=layout, rope=ROPE)
+        assert result.report.tier_sources == {"hit": 3} and result.report.placed
+        assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+        for (_, kv, _), got in zip(segments, result.kv):
+            assert torch.equal(got.cpu(), kv)
+    assert launched == {"one call": [True] * 3, "declined": [False] * 3, "in steps": []}[case]
+    tier.close()
