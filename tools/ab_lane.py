@@ -1,0 +1,114 @@
+"""A/B of the all-resident restore's placement (``kmesh_host.routes.LANE``) in one process: ``True``
+(prepared and launched in one compiled call) against ``False`` (in steps, as the other paths).
+Each round restores the 12 MiB host-tier child once per lane, alternating which goes first, next
+to one pinned H2D copy of the same bytes (as ``perf/run_ssd_routes.py`` times it); reports
+per-lane medians, per-round ratios to ``False``, each lane's fraction of the H2D copy, the route's
+step stamps per lane, and the interpreter's speed on this thread's CPU afterwards.
+
+``--spin-cpu J`` keeps CPU J busy meanwhile (``tools/find_sibling.py`` finds the one that halves the
+benchmark thread's speed), so the host-bound case is measured on purpose.
+
+Usage (GPU machine): PYTHONPATH=. taskset -c 4 python tools/ab_lane.py [--rounds 60] [--spin-cpu J] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_speed_map  # noqa: E402
+import find_sibling  # noqa: E402
+import run_ssd_routes as rs  # noqa: E402
+
+from kmesh_host import HostTier, HostTierConfig  # noqa: E402
+from kmesh_host import routes as routes_mod  # noqa: E402
+
+LANES = (True, False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--spin-cpu", type=int, default=None, help="keep this CPU busy during the rounds")
+    args = ap.parse_args()
+    spin = find_sibling.spinner(args.spin_cpu) if args.spin_cpu is not None else None
+    try:
+        run(args)
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
+
+
+def run(args) -> None:
+    device = torch.device("cuda")
+    out = {"rounds": args.rounds, "spin_cpu": args.spin_cpu, "lanes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
+        work = rs.Workload(wargs, device)
+        cfg = HostTierConfig(budget_bytes=64 * rs.MIB, pin=True, retain=True, singleflight=False, verify="none",
+                             read_threads=16, chunk_bytes=rs.MIB, parallel_loads=4)
+        with HostTier(work.store, cfg) as tier:
+            work.child("host_staging", 0, tier, verify="device", evict=False)
+            for lane in LANES * 5:  # warm every lane
+                routes_mod.LANE = lane
+                work.child("host_staging", 1, tier, verify="device", evict=False)
+            ref = rs.PairedH2D(device, work.child_bytes)
+            walls = {lane: [] for lane in LANES}
+            steps = {lane: {} for lane in LANES}
+            refs = []
+            routes_mod.TRACE = trace = []
+            for r in range(args.rounds):
+                refs.append(ref.once())
+                order = LANES if r % 2 == 0 else LANES[::-1]
+                for lane in order:
+                    routes_mod.LANE = lane
+                    trace.clear()
+                    got = work.child("host_staging", r % 4, tier, verify="device", evict=False)
+                    assert got["report"].placed and got["report"].tier_sources == {"hit": 4}
+                    walls[lane].append(got["restore_s"])
+                    for (_, a), (name, b) in zip(trace, trace[1:]):
+                        steps[lane].setdefault(name, []).append(b - a)
+            routes_mod.TRACE = None
+            routes_mod.LANE = True
+            ref.close()
+    speed = cpu_speed_map.speed(5.0)  # (before the spinner stops)
+    lines = [f"host-tier child (12 MiB, 4 objects, RoPE shift), {args.rounds} rounds, lanes alternating; "
+             f"pinned H2D copy median {statistics.median(refs) * 1e6:.1f} us; "
+             f"this thread's CPU afterwards {speed:.0f} ns/iteration (~82 = full speed)"
+             + (f"; CPU {args.spin_cpu} kept busy" if args.spin_cpu is not None else "")]
+    base = walls[False]
+    for lane in LANES:
+        w = walls[lane]
+        ratios = [a / b for a, b in zip(w, base)]
+        fr = [h / a for h, a in zip(refs, w)]
+        row = {"restore_us_median": statistics.median(w) * 1e6, "ratio_to_steps_median": statistics.median(ratios),
+               "fraction_of_h2d_median": statistics.median(fr),
+               "fraction_of_h2d_quartiles": statistics.quantiles(fr, n=4)[::2],
+               "steps_us": {k: statistics.median(v) * 1e6 for k, v in steps[lane].items()}}
+        out["lanes"][str(lane)] = row
+        lines.append(f"LANE={lane!s:<6} restore {row['restore_us_median']:.1f} us, ratio to False "
+                     f"{row['ratio_to_steps_median']:.3f}, {row['fraction_of_h2d_median']:.1%} of the H2D copy "
+                     f"(quartiles {row['fraction_of_h2d_quartiles'][0]:.1%}..{row['fraction_of_h2d_quartiles'][1]:.1%})")
+        lines.append("    steps (us): " + ", ".join(f"{k} {v:.1f}" for k, v in row["steps_us"].items()))
+    out["h2d_us_median"] = statistics.median(refs) * 1e6
+    out["python_ns_per_iteration"] = speed
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "ab_lane.txt").write_text(text + "\n")
+        (Path(args.out) / "ab_lane.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
