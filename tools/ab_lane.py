@@ -5,10 +5,11 @@ to one pinned H2D copy of the same bytes (as ``perf/run_ssd_routes.py`` times it
 per-lane medians, per-round ratios to ``False``, each lane's fraction of the H2D copy, the route's
 step stamps per lane, and the interpreter's speed on this thread's CPU afterwards.
 
-``--spin-cpu J`` keeps CPU J busy meanwhile (``tools/find_sibling.py`` finds the one that halves the
-benchmark thread's speed), so the host-bound case is measured on purpose.
+``--spin-cpus J,K,..`` keeps those CPUs busy meanwhile (on the lent machine any busy CPU from 3 up
+slows CPU 4's Python ~1.9x, ``tools/find_sibling.py``), so the host-bound case is measured on
+purpose rather than whenever the machine's CPUs happen to slow down.
 
-Usage (GPU machine): PYTHONPATH=. taskset -c 4 python tools/ab_lane.py [--rounds 60] [--spin-cpu J] [--out DIR]
+Usage (GPU machine): PYTHONPATH=. taskset -c 4 python tools/ab_lane.py [--rounds 60] [--spin-cpus J,K] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,20 +39,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--spin-cpu", type=int, default=None, help="keep this CPU busy during the rounds")
+    ap.add_argument("--spin-cpus", default="", help="comma-separated CPUs to keep busy during the rounds")
     args = ap.parse_args()
-    spin = find_sibling.spinner(args.spin_cpu) if args.spin_cpu is not None else None
+    args.spin_cpus = [int(c) for c in args.spin_cpus.split(",") if c]
+    spins = [find_sibling.spinner(c) for c in args.spin_cpus]
     try:
         run(args)
     finally:
-        if spin is not None:
-            spin.kill()
-            spin.wait()
+        for p in spins:
+            p.kill()
+            p.wait()
 
 
 def run(args) -> None:
     device = torch.device("cuda")
-    out = {"rounds": args.rounds, "spin_cpu": args.spin_cpu, "lanes": {}}
+    out = {"rounds": args.rounds, "spin_cpus": args.spin_cpus, "lanes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
         work = rs.Workload(wargs, device)
@@ -85,7 +87,7 @@ def run(args) -> None:
     lines = [f"host-tier child (12 MiB, 4 objects, RoPE shift), {args.rounds} rounds, lanes alternating; "
              f"pinned H2D copy median {statistics.median(refs) * 1e6:.1f} us; "
              f"this thread's CPU afterwards {speed:.0f} ns/iteration (~82 = full speed)"
-             + (f"; CPU {args.spin_cpu} kept busy" if args.spin_cpu is not None else "")]
+             + (f"; CPUs {args.spin_cpus} kept busy" if args.spin_cpus else "")]
     base = walls[False]
     for lane in LANES:
         w = walls[lane]
