@@ -317,6 +317,15 @@ class Workload:
         return out
 
 
+def retained_child(data_dir: str, device: torch.device) -> tuple["Workload", HostTierConfig]:
+    """The profiling tools' setup: this benchmark's 12 MiB child (4 objects of 256 tokens, RoPE shift,
+    placed) stored under ``data_dir``, and the config of a host tier that retains it in pinned RAM."""
+    wargs = argparse.Namespace(data_dir=data_dir, shift=True, objects=4, tokens=256, place=True, children=4)
+    cfg = HostTierConfig(budget_bytes=64 * MIB, pin=device.type == "cuda", retain=True, singleflight=False,
+                         verify="none", read_threads=16, chunk_bytes=MIB, parallel_loads=4)
+    return Workload(wargs, device), cfg
+
+
 def summarise_pairs(pairs: list[dict], routes: list[str]) -> dict:
     """Medians per route and medians of paired differences/ratios (direct - / host_staging)."""
     out = {}

@@ -29,7 +29,7 @@ import cpu_speed_map  # noqa: E402
 import find_sibling  # noqa: E402
 import run_ssd_routes as rs  # noqa: E402
 
-from kmesh_host import HostTier, HostTierConfig  # noqa: E402
+from kmesh_host import HostTier  # noqa: E402
 from kmesh_host import routes as routes_mod  # noqa: E402
 
 LANES = (True, False)
@@ -55,10 +55,7 @@ def run(args) -> None:
     device = torch.device("cuda")
     out = {"rounds": args.rounds, "spin_cpus": args.spin_cpus, "lanes": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
-        work = rs.Workload(wargs, device)
-        cfg = HostTierConfig(budget_bytes=64 * rs.MIB, pin=True, retain=True, singleflight=False, verify="none",
-                             read_threads=16, chunk_bytes=rs.MIB, parallel_loads=4)
+        work, cfg = rs.retained_child(tmp, device)
         with HostTier(work.store, cfg) as tier:
             work.child("host_staging", 0, tier, verify="device", evict=False)
             for lane in LANES * 5:  # warm every lane

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
 import run_ssd_routes as rs  # noqa: E402
 
-from kmesh_host import HostTier, HostTierConfig  # noqa: E402
+from kmesh_host import HostTier  # noqa: E402
 
 # (module, attribute, label): module attributes the route's code looks up at call time
 TARGETS = [
@@ -74,10 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
-        wargs = argparse.Namespace(data_dir=tmp, shift=True, objects=4, tokens=256, place=True, children=4)
-        work = rs.Workload(wargs, device)
-        cfg = HostTierConfig(budget_bytes=64 * rs.MIB, pin=True, retain=True, singleflight=False, verify="none",
-                             read_threads=16, chunk_bytes=rs.MIB, parallel_loads=4)
+        work, cfg = rs.retained_child(tmp, device)
         with HostTier(work.store, cfg) as tier:
             work.child("host_staging", 0, tier, verify="device", evict=False)
             for c in range(20):

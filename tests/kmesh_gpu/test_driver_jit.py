@@ -161,11 +161,9 @@ def test_placement_through_driver_calls_matches_the_torch_and_cupy_path(monkeypa
     assert torch.equal(out[True].view(torch.uint8), reference.view(torch.uint8))
 
 
-@pytest.mark.gpu
-def test_many_placements_wrap_the_table_ring_and_stay_exact(monkeypatch):
-    """More tables than the ring holds at once, each uploaded behind a slow kernel: the ring declines
-    (the torch path serves) rather than overwrite a table still being copied, and every placement
-    lands exactly."""
+def small_ring_case(monkeypatch, seed: int):
+    """A 1 MiB table ring (fresh, for every cache's facts) and four placements of 2048 tokens whose
+    tables (~160 KiB each) it holds six at a time: ``(place module, layout, cache, kvs, slots)``."""
     import importlib
 
     from kmesh_gpu import KVLayout, _table_ring
@@ -174,17 +172,22 @@ def test_many_placements_wrap_the_table_ring_and_stay_exact(monkeypatch):
     monkeypatch.setattr(_table_ring, "RING_BYTES", 1 << 20)
     monkeypatch.setattr(_table_ring, "_RINGS", {})
     for f in place_mod._FACTS.values():
-        f.ring = None
-    L, H, D, N = 2, 2, 128, 16
+        f.ring, f.lane = None, None
+    L, H, D, N, T = 2, 2, 128, 16, 2048
     layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=512, block_size=N, num_kv_heads=H, head_size=D,
                                 dtype=torch.float16)
-    cache = layout.allocate(fill=0, device="cuda")
-    gen = torch.Generator().manual_seed(8)
-    T = 2048  # a table of ~160 KiB: the 1 MiB ring holds six at once
-    kvs, slots = [], []
-    for i in range(4):
-        kvs.append(torch.randn(2, L, T, H, D, generator=gen).to(torch.float16).cuda())
-        slots.append(torch.arange(i * T, (i + 1) * T, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(seed)
+    kvs = [torch.randn(2, L, T, H, D, generator=gen).to(torch.float16).cuda() for _ in range(4)]
+    slots = [torch.arange(i * T, (i + 1) * T, dtype=torch.int64) for i in range(4)]
+    return place_mod, layout, layout.allocate(fill=0, device="cuda"), kvs, slots
+
+
+@pytest.mark.gpu
+def test_many_placements_wrap_the_table_ring_and_stay_exact(monkeypatch):
+    """More tables than the ring holds at once, each uploaded behind a slow kernel: the ring declines
+    (the torch path serves) rather than overwrite a table still being copied, and every placement
+    lands exactly."""
+    place_mod, layout, cache, kvs, slots = small_ring_case(monkeypatch, 8)
     declined = 0
     for rounds in range(3):
         torch.cuda._sleep(int(20e6))  # ~10 ms: the uploads queued behind it stay pending

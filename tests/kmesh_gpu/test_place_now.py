@@ -189,23 +189,10 @@ def test_place_now_behind_a_slow_kernel_wraps_the_ring_without_overwriting_a_tab
     """More placements than the ring holds at once, queued behind a spinning kernel: a region (and its
     device mirror, which the kernel reads) is not handed out again before the kernel that reads it
     has run, so the ring declines (the caller's other path serves) and every placement lands."""
-    import importlib
+    from kmesh_gpu import _place_driver
+    from tests.kmesh_gpu.test_driver_jit import small_ring_case
 
-    from kmesh_gpu import KVLayout, _place_driver, _table_ring
-
-    place_mod = importlib.import_module("kmesh_gpu.place")
-    monkeypatch.setattr(_table_ring, "RING_BYTES", 1 << 20)
-    monkeypatch.setattr(_table_ring, "_RINGS", {})
-    for f in place_mod._FACTS.values():
-        f.ring, f.lane = None, None
-    L, H, D, N = 2, 2, 128, 16
-    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=512, block_size=N, num_kv_heads=H, head_size=D,
-                                dtype=torch.float16)
-    cache = layout.allocate(fill=0, device="cuda")
-    gen = torch.Generator().manual_seed(9)
-    T = 2048  # a table of ~160 KiB: the 1 MiB ring holds six at once
-    kvs = [torch.randn(2, L, T, H, D, generator=gen).to(torch.float16).cuda() for _ in range(4)]
-    slots = [torch.arange(i * T, (i + 1) * T, dtype=torch.int64) for i in range(4)]
+    place_mod, layout, cache, kvs, slots = small_ring_case(monkeypatch, 9)
     declined = 0
     for _ in range(3):
         torch.cuda._sleep(int(20e6))  # ~10 ms: the kernels queued behind it stay pending
