@@ -467,12 +467,12 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 check_fingerprint(h, model_fingerprint)
         _stamp("leased")
         offsets, total = _layout_offsets(headers)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        base = buffer.data_ptr()
         # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
         # digests of several objects run side by side on separate streams, so they keep _Streams
         lean = device.type == "cuda" and all(
             lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        base = buffer.data_ptr()
         streams = _CallerStream(device) if lean else _Streams(device)
         early = 0  # objects whose copy is already queued
         if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
