@@ -6,7 +6,7 @@ Each of those is a handful of driver calls, but made one by one from Python ever
 ctypes conversion plus the Python around it: tens of microseconds per restore on the GPU machine,
 doubled whenever its virtual CPU runs at half speed, and that is what kept the host-tier route
 from being bound by the DMA. Here one compiled call makes the whole sequence, calling the driver's
-functions by address (:func:`._intrinsics.ccall`, an LLVM indirect call with the exact C argument widths), so
+functions by address (:func:`_ccall`, an LLVM indirect call with the exact C argument widths), so
 the only Python left is the call itself.
 
 This module imports Numba at its top and is itself imported only on first use (through
@@ -23,9 +23,11 @@ import functools
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from ._host_tables import _build
-from ._intrinsics import ccall as _ccall, int64_ptr as _int64_ptr
 
 #: positions in :func:`driver_table`'s array
 COPY_HTOD, EVENT_RECORD, LAUNCH = 0, 1, 2
@@ -38,8 +40,40 @@ RECORD_REFUSED = -12  # the upload is queued but its fence was not recorded (wai
 LAUNCH_REFUSED = -13  # place_now: the table's upload is queued, unfenced; the launch was refused
 UNFENCED = -14  # place_now: launched, but the fence after it was not recorded
 
+
+@intrinsic
+def _ccall(typingctx, address, args):
+    """``int32 f(args...)`` for the C function at ``address``, each argument passed with its own
+    integer width (int64/uint64 as 64-bit, int32/uint32 as 32-bit): the driver's prototypes."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    if not all(isinstance(t, types.Integer) for t in args):
+        return None
+
+    def codegen(context, builder, signature, llargs):
+        fn_address, packed = llargs
+        values = [builder.extract_value(packed, i) for i in range(len(args))]
+        fnty = ir.FunctionType(ir.IntType(32), [v.type for v in values])
+        return builder.call(builder.inttoptr(fn_address, fnty.as_pointer()), values)
+
+    return types.int32(address, args), codegen
+
+
 _JIT = dict(nogil=True, cache=True)
 _build_jit = numba.njit(**_JIT)(_build)
+
+
+@intrinsic
+def _int64_ptr(typingctx, address):
+    """The integer ``address`` as an ``int64*`` (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+    ptr = types.CPointer(types.int64)
+
+    def codegen(context, builder, signature, llargs):
+        return builder.inttoptr(llargs[0], context.get_value_type(ptr))
+
+    return ptr(address), codegen
 
 
 @numba.njit(**_JIT)

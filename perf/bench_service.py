@@ -42,12 +42,6 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   ``client.sent`` is stamped once ``sendmsg`` has returned, so the service may have stamped
   ``received`` before it: single rows of ``sent -> service.received`` can be negative.
 
-* Transport (``--channel``): the service path's restores go through the connection's shared-memory
-  channel (``CacheClient(channel=...)``, :mod:`kmesh_host.service.channel`) or its socket. With
-  ``both`` (the default) the paired comparison and the back-to-back runs are made for each, with
-  one client per transport (each with its own registered cache), channel first; the 16 concurrent
-  clients use the channel.
-
 * Polling: by default client and service poll their sockets briefly before sleeping in ``recv``
   where the machine has cores to spare (``CacheClient(reply_spin_s=)``,
   ``ServiceConfig.receive_spin_s``); ``--reply-spin-s`` / ``--receive-spin-s`` set them (0: off),
@@ -161,12 +155,12 @@ def _alloc(layout, device):
     return None, t, t
 
 
-def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, channel, barrier, out) -> None:
+def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out) -> None:
     errors, times = [], []
     try:
         layout, plan = child_layout(), index_inputs(child_plan(), inputs)
         shared, registrable, _ = _alloc(layout, device)
-        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s, channel=channel) as c:
+        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s) as c:
             reg = c.register(registrable, layout, rope=child_rope())
             items = [RestoreItem(k, s, p) for k, s, p in plan]
             barrier.wait(timeout=300)
@@ -187,7 +181,7 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
     out.put({"pid": os.getpid(), "errors": errors, "times": times})
 
 
-def paired(args, client) -> dict:
+def paired(args, client, socket_path) -> dict:
     device = args.device
     layout, rope, plan, resident = child_setup(device, args.inputs)  # uploaded once, like the service's copies
     sync(device)
@@ -235,7 +229,7 @@ def paired(args, client) -> dict:
             "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
             "median_paired_ratio": statistics.median(ratios), "paired_ratio_quartiles": [q[0], q[2]],
             "median_paired_diff_ms": statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]),
-            "bit_identical": identical, "target_ratio": 1.15, "stages_us": stages, "channel": client.uses_channel}
+            "bit_identical": identical, "target_ratio": 1.15, "stages_us": stages}
 
 
 STAGES = [("client", "start"), ("client", "built"), ("client", "sent"), ("service", "received"),
@@ -300,8 +294,7 @@ def concurrent(args, client, socket_path) -> dict:
     before = client.status()
     barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_proc,
-                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs,
-                               args.channel != "off", barrier, out))
+                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, barrier, out))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -356,35 +349,27 @@ def main(argv=None) -> int:
                     help="CacheClient(reply_spin_s=...): seconds to poll for a reply (default: auto)")
     ap.add_argument("--receive-spin-s", type=float, default=None,
                     help="ServiceConfig.receive_spin_s: seconds to poll for a request (default: auto)")
-    ap.add_argument("--channel", choices=("both", "on", "off"), default="both",
-                    help="the service path's transport: the shared-memory channel, the socket, or each in turn")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
     cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30, receive_spin_s=args.receive_spin_s)
-    transports = {"both": ("channel", "socket"), "on": ("channel",), "off": ("socket",)}[args.channel]
-    with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s,
-                                        channel=False) as client:
+    with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s) as client:
         spins = {"reply_spin_s": client.reply_spin_s,
                  "receive_spin_s": protocol.spin_default(args.receive_spin_s, 2e-3)}
         for key, kv, pos in originals():
             client.put(key, kv, pos)
-        pairs, steadies = {}, {}
-        for transport in transports:
-            with CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s,
-                             channel=transport == "channel") as c:
-                pairs[transport] = paired(args, c)
-                steadies[transport] = back_to_back(args, c) if args.back_to_back > 0 else None
+        pair = paired(args, client, socket_path)
+        steady = back_to_back(args, client) if args.back_to_back > 0 else None
         conc = concurrent(args, client, socket_path) if args.clients > 0 else None
         counters = client.status()["counters"]
-        placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item", "channel_requests")}
+        placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item")}
     shutil.rmtree(sock_dir, ignore_errors=True)
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
-              "index_inputs": args.inputs, "polling": spins, "paired": pairs, "back_to_back": steadies,
+              "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
               "concurrent": conc, "service_placements": placements,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
@@ -395,33 +380,29 @@ def main(argv=None) -> int:
           f"on {args.device} ({dev_name})")
     print(f"polling: client {spins['reply_spin_s'] * 1e6:.0f} us, service {spins['receive_spin_s'] * 1e6:.0f} us; "
           f"index inputs: {args.inputs} (both paths)")
-    for transport, pair in pairs.items():
-        print(f"--- service through its {transport}")
-        print(f"{'path':<14}{'median ms':>12}")
-        print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
-        print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")
-        lo, hi = pair["paired_ratio_quartiles"]
-        print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}; "
-              f"target <= 1.15), median paired diff {pair['median_paired_diff_ms']:.3f} ms, "
-              f"bit-identical: {pair['bit_identical']}")
-        steady = steadies[transport]
-        if steady:
-            m = steady["median_us"]
-            print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "
-                  + ", ".join(f"{k.replace('_', ' ')} {m[k]:.1f} us ({r:.2f}x)" for k, r in m["ratios"].items()))
-        if pair["stages_us"]:
-            print(f"service path stages, median of {args.timing_runs} restores (us):")
-            for label, us in pair["stages_us"]:
-                print(f"  {label:<42}{us:>10.1f}")
+    print(f"{'path':<14}{'median ms':>12}")
+    print(f"{'in-process':<14}{pair['in_process_median_ms']:>12.3f}")
+    print(f"{'service':<14}{pair['service_median_ms']:>12.3f}")
+    lo, hi = pair["paired_ratio_quartiles"]
+    print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}; "
+          f"target <= 1.15), median paired diff {pair['median_paired_diff_ms']:.3f} ms, "
+          f"bit-identical: {pair['bit_identical']}")
+    if steady:
+        m = steady["median_us"]
+        print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "
+              + ", ".join(f"{k.replace('_', ' ')} {m[k]:.1f} us ({r:.2f}x)" for k, r in m["ratios"].items()))
+    if pair["stages_us"]:
+        print(f"service path stages, median of {args.timing_runs} restores (us):")
+        for label, us in pair["stages_us"]:
+            print(f"  {label:<42}{us:>10.1f}")
     if conc:
         print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {conc['restores_per_s']:.1f} "
               f"restores/s, median latency {conc['latency_median_ms']:.2f} ms, errors {conc['errors']}, "
               f"memory back to baseline: {conc['memory_back_to_baseline']}")
     print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "
-          f"per item: {placements['placements_per_item']}; restores through channels: {placements['channel_requests']}")
+          f"per item: {placements['placements_per_item']}")
     print(f"wrote {path}")
-    ok = all(p["bit_identical"] and p["channel"] == (t == "channel") for t, p in pairs.items())
-    return 0 if ok and (conc is None or conc["errors"] == 0) else 1
+    return 0 if pair["bit_identical"] and (conc is None or conc["errors"] == 0) else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ out of it has physically finished and the service has unmapped it).
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import threading
 import time
@@ -28,7 +27,6 @@ import torch
 from kmesh_gpu import _launch  # driver-level event records
 from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, ServiceError
 
-from . import channel as _channel
 from . import protocol
 from .memory import MemoryHandle, SharedCache, export_cuda
 
@@ -130,17 +128,10 @@ class CacheClient:
     woken; polling costs this thread's core for that long (the GIL is released between polls). A
     request polls only when the previous reply came within that time, so a busy service (replies
     that queue) is waited for asleep.
-    ``channel``: send restores through a shared-memory channel of this connection (:mod:`.channel`)
-    instead of the socket. ``None`` (default): where the service offers one and Numba is usable
-    here; ``True``: required (:class:`ServiceError` otherwise); ``False``: never. Other requests,
-    and restores larger than the channel, always take the socket. If the channel breaks (the
-    service gone, or no reply within ``timeout``), that request raises :class:`ServiceError` and the
-    connection's later restores take the socket.
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
-                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None,
-                 channel: bool | None = None):
+                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None):
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout
@@ -152,7 +143,6 @@ class CacheClient:
         self._items: dict[tuple, protocol.RestoreItems] = {}  # (keys, slot counts, position counts) -> encoded
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
-        self._channel: _channel.ClientChannel | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -160,33 +150,6 @@ class CacheClient:
         except OSError as exc:
             self._sock.close()
             raise ServiceError(f"cannot connect to the cache service at {socket_path}: {exc}") from exc
-        if channel is not False:
-            try:
-                self._open_channel()
-            except (ProtocolError, ServiceError):
-                if channel:
-                    self.close()
-                    raise
-
-    @property
-    def uses_channel(self) -> bool:
-        """Whether restores go through the shared-memory channel now."""
-        return self._channel is not None
-
-    def _open_channel(self) -> None:
-        if _channel.compiled() is None:
-            raise ServiceError("channel: the compiled handshake is not available here (Numba)")
-        self._call({"op": "open_channel"})
-        with self._lock:
-            try:
-                msg, fds, _, _ = socket.recv_fds(self._sock, 1, _channel.FD_COUNT)
-            except OSError as exc:
-                raise ServiceError(f"channel: the descriptors did not arrive: {exc}") from exc
-            if msg != b"F" or len(fds) != _channel.FD_COUNT:
-                for fd in fds:
-                    os.close(fd)
-                raise ProtocolError(f"channel: expected {_channel.FD_COUNT} descriptors, got {len(fds)}")
-            self._channel = _channel.ClientChannel(fds, self._sock)
 
     # ------------------------------------------------------------------ plumbing
     def call(self, header: dict, body: bytes = b"") -> protocol.Message:
@@ -222,15 +185,10 @@ class CacheClient:
             parts = build(rid, event)
             if stamps is not None:
                 stamps["built"] = time.monotonic_ns()
-            spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
-            ch = self._channel
-            if ch is not None and op == "restore":
-                nbytes = protocol.PREFIX.size + sum(protocol.PREFIX.unpack_from(parts[0])[3:])
-                if ch.fits(nbytes):
-                    return rid, *self._channel_exchange(ch, parts, nbytes, spin, stamps)
             try:
                 protocol.send_parts(self._sock, parts)
                 sent = time.monotonic_ns()
+                spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
                 flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes,
                                                        frame_timeout=self.timeout, spin_s=spin)
                 received = time.monotonic_ns()
@@ -240,22 +198,6 @@ class CacheClient:
             except (OSError, protocol.ConnectionClosed) as exc:
                 raise ServiceError(f"cache service connection lost during {op!r}: {exc}") from exc
         return rid, flags, buf, body
-
-    def _channel_exchange(self, ch, parts, nbytes: int, spin: float, stamps):
-        """One frame through the channel (``_lock`` held): ``(flags, buffer, body)``."""
-        sent = time.monotonic_ns()
-        try:
-            flags, buf, body = ch.exchange(parts, nbytes, spin_s=spin, timeout=self.timeout,
-                                           max_body_bytes=self.max_body_bytes)
-        except _channel.ChannelBroken as exc:
-            self._channel = None
-            ch.close()
-            raise ServiceError(f"cache service channel broken during 'restore': {exc}") from exc
-        received = time.monotonic_ns()
-        self._last_reply_ns = received - sent
-        if stamps is not None:
-            stamps["sent"], stamps["received"] = sent, received
-        return flags, buf, body
 
     @staticmethod
     def _check_reply(header: dict, rid: int) -> None:
@@ -271,9 +213,6 @@ class CacheClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-                self._channel = None
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None

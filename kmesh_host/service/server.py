@@ -42,7 +42,6 @@ waits on its completion.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import itertools
 import os
@@ -60,7 +59,7 @@ from kmesh_gpu import _launch  # driver-level event records and stream waits
 from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from .._streams import _ids, on_stream
-from . import _compiled, channel, protocol
+from . import _compiled, protocol
 from .completions import CudaEventCompletion, RefusingCompletion
 from .memory import DeviceMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
@@ -94,10 +93,7 @@ class ServiceConfig:
             flight anywhere in the service, before it sleeps in ``recv`` (the same wake-up latency,
             on the way in: a client that restores back to back sends its next request within about
             a millisecond). ``None``: 2 ms where the machine has cores to spare
-            (:func:`.protocol.spin_default`), else 0. A connection's shared-memory channel polls
-            for the same time.
-        channel_capacity: the request area of a connection's shared-memory channel in bytes
-            (:mod:`.channel`; restore frames larger than it take the socket); 0: no channels.
+            (:func:`.protocol.spin_default`), else 0.
     """
 
     socket_path: str
@@ -113,7 +109,6 @@ class ServiceConfig:
     allow_fault_injection: bool = False
     completion_spin_s: float = 2e-3
     receive_spin_s: float | None = None
-    channel_capacity: int = channel.DEFAULT_CAPACITY
 
 
 class InjectedFault(KmeshError):
@@ -162,12 +157,8 @@ class _Service:
         self._saving: set[str] = set()
         # placements: prepared from the request body's arrays as they are, or per item (the rest)
         self._counters = {"requests": 0, "errors": 0, "internal_errors": 0, "refused_peers": 0,
-                          "placements_one_array": 0, "placements_per_item": 0, "channel_requests": 0}
+                          "placements_one_array": 0, "placements_per_item": 0}
         self._inflight = 0  # requests being handled now (under _lock)
-        #: the same count as a word the channels' compiled polls read (they stop polling while it is not 0)
-        self._busy = np.zeros(1, dtype=np.int64)
-        self._channels: dict[int, channel.ServiceChannel] = {}  # conn id -> its channel (under _lock)
-        self._fds_to_send: dict[int, list] = {}  # conn id -> descriptors to send after the reply
         # conn id -> {reg id: (IPC handle bytes, the client's event opened here)}; each connection's
         # thread alone reads and fills its own entry
         self._conn_events: dict[int, dict] = {}
@@ -198,10 +189,6 @@ class _Service:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        with self._lock:
-            channels = list(self._channels.values())
-        for ch in channels:
-            ch.close()
         for t in list(self._threads):
             t.join(timeout=self.config.shutdown_drain_s)
         for reg in self.registry.registrations():
@@ -269,10 +256,7 @@ class _Service:
                 try:
                     flags, raw, body = protocol.read_frame(
                         conn, max_body_bytes=max_body, frame_timeout=frame_timeout,
-                        # a connection with a channel sends its restores there: its socket is
-                        # read asleep (a polling thread would contend for the GIL with the channel's)
-                        spin_s=receive_spin if self._inflight == 0 and conn_id not in self._channels else 0.0,
-                        spin_while=self._nothing_in_flight)
+                        spin_s=receive_spin if self._inflight == 0 else 0.0, spin_while=self._nothing_in_flight)
                     received = time.monotonic_ns()
                     header_raw = memoryview(raw)[:len(raw) - len(body)]
                     header = None if flags & protocol.FLAG_BINARY else protocol.decode_header(header_raw)
@@ -299,32 +283,12 @@ class _Service:
                 reply, reply_body = self._serve_json(header, body, peer, conn_id)
                 if not self._send(conn, reply, reply_body):
                     return
-                if conn_id in self._fds_to_send:
-                    self._hand_over_channel(conn, conn_id)
         finally:
             with self._lock:
                 self._conns.pop(conn_id, None)
                 self._conn_events.pop(conn_id, None)  # ops that waited on one keep it in their keepalive
-                ch = self._channels.pop(conn_id, None)
-                self._fds_to_send.pop(conn_id, None)
-            if ch is not None:
-                ch.close()
             conn.close()
             self.registry.connection_closed(conn_id)
-
-    def _hand_over_channel(self, conn: socket.socket, conn_id: int) -> None:
-        """Send the descriptors of the channel just opened (after its reply) and start serving it."""
-        with self._lock:
-            fds = self._fds_to_send.pop(conn_id)
-            ch = self._channels.get(conn_id)
-        try:
-            socket.send_fds(conn, [b"F"], fds)
-        except OSError:
-            return  # the connection is ending: its end closes the channel
-        if ch is not None:
-            with self._lock:
-                self._threads.append(ch.thread)
-            ch.start()
 
     def _send(self, conn, header: dict, body: bytes = b"") -> bool:
         try:
@@ -344,7 +308,6 @@ class _Service:
         with lock:
             self._counters["requests"] += 1
             self._inflight += 1
-            self._busy[0] = self._inflight
         try:
             return True, run(*args)
         except KmeshError as exc:
@@ -360,7 +323,6 @@ class _Service:
         finally:
             with lock:
                 self._inflight -= 1
-                self._busy[0] = self._inflight
 
     def _serve_json(self, h: dict, body, peer: PeerIdentity, conn_id: int) -> tuple[dict, bytes]:
         rid = h.get("id")
@@ -546,7 +508,7 @@ class _Service:
                "socket": self.config.socket_path, "cuda": self.cuda, "connections": connections,
                "fault_injection": self.config.allow_fault_injection, "counters": counters,
                "sources": {**self.sources.stats(), **self.device_originals.stats()},
-               "open_ipc_mappings": len(self.device_mappings), "channels": len(self._channels), **snap}
+               "open_ipc_mappings": len(self.device_mappings), **snap}
         if self.cuda and torch.cuda.is_initialized():
             out["device_memory_allocated"] = torch.cuda.memory_allocated()
         return out, b""
@@ -622,28 +584,6 @@ class _Service:
         reg = self._authorize(h, peer)
         self.registry.attach(reg, conn_id)
         return {"reg": reg.reg_id}, b""
-
-    def op_open_channel(self, h, body, peer, conn_id):
-        """A shared-memory channel for this connection's restores (:mod:`.channel`); its page and
-        event descriptors follow the reply on the socket."""
-        capacity = self.config.channel_capacity
-        if capacity <= 0:
-            raise ProtocolError("open_channel: this service has channels turned off (channel_capacity 0)")
-        with self._lock:
-            if conn_id in self._channels:
-                raise ProtocolError("open_channel: this connection already has a channel")
-
-        def serve(raw, body, received):
-            return self._serve_binary(raw, body, peer, conn_id, received)
-
-        ch = channel.ServiceChannel(serve, name=f"kmesh-channel-{conn_id}", capacity=capacity,
-                                    spin_s=protocol.spin_default(self.config.receive_spin_s, 2e-3), busy=self._busy,
-                                    max_body_bytes=self.config.max_body_bytes,
-                                    on_request=functools.partial(self._count, "channel_requests"))
-        with self._lock:
-            self._channels[conn_id] = ch
-            self._fds_to_send[conn_id] = ch.fds
-        return {"capacity": capacity, "fds": channel.FD_COUNT}, b""
 
     def op_restore(self, h, body, peer, conn_id):
         raise ProtocolError(f"restore: sent as a binary frame since protocol version 3 (this service speaks "
@@ -831,5 +771,5 @@ _HANDLERS = {
     "status": _Service.op_status, "put": _Service.op_put, "get": _Service.op_get, "evict": _Service.op_evict,
     "register": _Service.op_register, "attach": _Service.op_attach, "restore": _Service.op_restore,
     "save": _Service.op_save, "cancel": _Service.op_cancel, "drain": _Service.op_drain,
-    "acquire": _Service.op_acquire, "close": _Service.op_close, "open_channel": _Service.op_open_channel,
+    "acquire": _Service.op_acquire, "close": _Service.op_close,
 }

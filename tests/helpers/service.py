@@ -115,29 +115,12 @@ def child_register_then_hang(socket_path: str, instance: int, refuse_waits: int,
 
 
 @contextlib.contextmanager
-def running_service(*, reap_interval_s: float, receive_spin_s: float | None = None, **config):
-    """A spawned cache service with fault injection allowed, in a private socket directory
-    (``config``: further :class:`ServiceConfig` fields)."""
+def running_service(*, reap_interval_s: float, receive_spin_s: float | None = None):
+    """A spawned cache service with fault injection allowed, in a private socket directory."""
     from kmesh_host.service import CacheService, ServiceConfig
 
     with socket_dir() as d:
         cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), allow_fault_injection=True,
-                            reap_interval_s=reap_interval_s, receive_spin_s=receive_spin_s, **config)
+                            reap_interval_s=reap_interval_s, receive_spin_s=receive_spin_s)
         with CacheService(cfg) as svc:
             yield svc
-
-
-def child_restore_through_channel_then_hang(socket_path: str, out) -> None:
-    """A worker that restores through its channel and then waits to be killed."""
-    from kmesh_host.service import CacheClient, SharedCache
-
-    layout = small_layout()
-    cache = SharedCache(layout, fill=0)
-    c = CacheClient(socket_path, timeout=30, channel=True)
-    kv = torch.randn(2, 2, 4, 2, 8).to(torch.bfloat16)
-    key = f"chan-{os.getpid()}"
-    c.put(key, kv, torch.arange(4))
-    reg = c.register(cache, layout)
-    op = c.restore(reg, [(key, [0, 1, 2, 3])])
-    out.put({"reg": reg.reg_id, "op": op, "shm": cache.handle.handle.decode(), "key": key})
-    time.sleep(600)
