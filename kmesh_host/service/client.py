@@ -232,12 +232,18 @@ class CacheClient:
         """Record this connection's interprocess event of ``reg`` after the calling thread's queued
         work; returns its IPC handle (64 bytes), or ``None`` when that stream has nothing queued (the
         request then has nothing to wait for, and the device has no command of this process to run
-        before the service's copy). Created once: opening an IPC event costs the service far more
-        than a record costs here. Called with ``_lock`` held."""
+        before the service's copy: a record would make the GPU switch to this process's context
+        and back before the copy, twice the cost of the copy itself on a GPU without MPS). Created
+        once: opening an IPC event costs the service far more than a record costs here. Called
+        with ``_lock`` held.
+
+        The legacy default stream (0) is queried like any other: a query follows default-stream
+        semantics, so it also reports the other blocking streams' earlier work still running (what
+        a record there would wait for; checked on the GPU by
+        ``tests/kmesh_host/test_service_events.py``), and non-blocking streams are covered by
+        neither."""
         stream = _launch.current_stream(reg.device_index)
-        # (not for the legacy default stream, 0: a record there also covers the other blocking
-        # streams' earlier work, which a query of it does not)
-        if stream and _launch.stream_query(stream):
+        if _launch.stream_query(stream):
             return None
         entry = self._events.get(reg.reg_id)
         if entry is None:

@@ -48,8 +48,8 @@ def _original(name: str, first_new: int):
 @pytest.mark.gpu
 def test_client_records_its_event_only_when_its_stream_has_work(service):
     """On a side stream with nothing queued the request carries no event (nothing to wait for); with
-    work queued it does, and the restore lands after that work; the legacy default stream always
-    records (a record there also covers other blocking streams, which a query of it does not)."""
+    work queued it does, and the restore lands after that work. The legacy default stream alike:
+    see :func:`test_default_stream_covers_blocking_streams` for the work a query of it reports."""
     layout, key, kv, pos, new, want = _original("sig-side", 70)
     with CacheClient(service.socket_path, timeout=120) as client:
         client.put(key, kv, pos)
@@ -71,9 +71,56 @@ def test_client_records_its_event_only_when_its_stream_has_work(service):
                 client.restore(reg, [(key, SLOTS, new)])
                 torch.cuda.synchronize()
                 assert torch.equal(cache.view(torch.uint8).cpu(), want), "the restore did not wait for the fill"
+            torch.cuda.synchronize()
             with client._lock:
-                assert client._record_event(reg) is not None  # the default stream, idle or not
+                assert client._record_event(reg) is None  # the default stream, idle
         finally:
             torch.cuda.synchronize()
+            assert client.close_registration(reg, timeout=60) is True
+            client.evict(key)
+
+
+def _blocking_stream():
+    """A stream created with default flags (blocking: the legacy default stream synchronises with
+    it, as with CuPy's default streams; torch's own streams are non-blocking)."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    assert cu.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(0)) == 0
+    flags = ctypes.c_uint()
+    assert cu.cuStreamGetFlags(handle, ctypes.byref(flags)) == 0 and flags.value == 0
+    return torch.cuda.ExternalStream(handle.value), lambda: cu.cuStreamDestroy_v2(handle)
+
+
+@pytest.mark.gpu
+def test_default_stream_covers_blocking_streams(service):
+    """A client on the legacy default stream with its earlier writes on a blocking stream (which
+    the default stream synchronises with): the request carries its event and the restore lands
+    after those writes; once everything is idle it carries none."""
+    layout, key, kv, pos, new, want = _original("sig-legacy", 90)
+    with CacheClient(service.socket_path, timeout=120) as client:
+        client.put(key, kv, pos)
+        cache = _poisoned(layout)
+        reg = client.register(cache, layout, rope=small_rope())
+        blocking, destroy = _blocking_stream()
+        try:
+            assert torch.cuda.current_stream().cuda_stream == 0  # the legacy default stream
+            client.restore(reg, [(key, SLOTS, new)])
+            torch.cuda.synchronize()
+            assert torch.equal(cache.view(torch.uint8).cpu(), want)
+            with client._lock:
+                assert client._record_event(reg) is None  # all idle: nothing to wait for
+            with torch.cuda.stream(blocking):
+                torch.cuda._sleep(300_000_000)  # ahead of a fill of the whole cache
+                cache.view(torch.uint8).fill_(POISON)
+            with client._lock:  # the default stream has nothing of its own queued, yet must wait
+                assert client._record_event(reg) is not None
+            client.restore(reg, [(key, SLOTS, new)])
+            torch.cuda.synchronize()
+            assert torch.equal(cache.view(torch.uint8).cpu(), want), "the restore did not wait for the fill"
+        finally:
+            torch.cuda.synchronize()
+            destroy()
             assert client.close_registration(reg, timeout=60) is True
             client.evict(key)
