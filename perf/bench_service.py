@@ -6,7 +6,8 @@ What each timed path includes (the same work on both sides, so the ratio is the 
   into a local cache, then a synchronisation. On CUDA the originals are uploaded once before
   timing, because the service keeps device copies of the originals it has restored from
   (``ServiceConfig.device_budget_bytes``) and has made them during the warm-up.
-* service: the client request (binary index arrays, the client's re-recorded interprocess event),
+* service: the client request (binary index arrays; the client's re-recorded interprocess event
+  when its stream has work queued),
   the socket round trip, authorisation, bounds checks and block reservation, the same
   ``place_many`` from the service's device copies into the registered cache (CUDA IPC or shared
   memory), waiting for the copy's completion event, releasing the holds and the reply.
@@ -26,7 +27,11 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   and through the service (request -> the service does the same into the registered cache ->
   reply after the copy's event completed), alternating which goes first, ``--pairs`` pairs (21 by
   default). Reports medians per path, the median and quartiles of the paired ratios (target
-  <= 1.15) and checks that both paths give identical bits.
+  <= 1.15) and checks that both paths give identical bits. On a GPU without MPS a restore right
+  after the other path's pays a switch between the two processes' contexts and one right after
+  its own path's does not, so per-pair ratios fall into two groups (each pair holds one restore
+  of each kind) and their median lands in whichever group has more pairs; the median over
+  balanced blocks (two consecutive pairs: each path once of each kind) is reported beside it.
 * Back to back (``--back-to-back``, 41 by default): each path run that many times in a row, for the
   steady state of a worker using one path only (see :func:`back_to_back`): the alternating pairs
   make both paths pay for the GPU switching between the two processes' CUDA contexts (no MPS on
@@ -225,9 +230,17 @@ def paired(args, client, socket_path) -> dict:
         shared.close()
     ratios = sorted(b / a for a, b in zip(loc, svc))
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    # Balanced blocks: pairs 2k and 2k + 1 run in-process, service, service, in-process, so each
+    # path runs once right after the other path (paying the switch of the GPU between the two
+    # processes' contexts) and once right after itself. A single pair holds one of each kind, and
+    # its ratio swings between the two (bimodal per-pair ratios); a block's ratio does not.
+    blocks = sorted((svc[i] + svc[i + 1]) / (loc[i] + loc[i + 1]) for i in range(0, len(loc) - 1, 2))
+    bq = statistics.quantiles(blocks, n=4) if len(blocks) >= 2 else blocks * 3 if blocks else [None] * 3
     return {"in_process_ms": [x * 1e3 for x in loc], "service_ms": [x * 1e3 for x in svc],
             "in_process_median_ms": statistics.median(loc) * 1e3, "service_median_ms": statistics.median(svc) * 1e3,
             "median_paired_ratio": statistics.median(ratios), "paired_ratio_quartiles": [q[0], q[2]],
+            "median_block_ratio": statistics.median(blocks) if blocks else None,
+            "block_ratio_quartiles": [bq[0], bq[2]],
             "median_paired_diff_ms": statistics.median([(b - a) * 1e3 for a, b in zip(loc, svc)]),
             "bit_identical": identical, "target_ratio": 1.15, "stages_us": stages}
 
@@ -256,9 +269,10 @@ def back_to_back(args, client) -> dict:
     worker that restores through one path only. The paired runs above alternate the paths, and on
     a GPU without MPS every switch between the client's and the service's CUDA contexts costs both
     paths alike; here the in-process path runs with no other context in between, the service path
-    with the client on the default stream (its interprocess event recorded before each request,
-    a command of the client's context between the service's copies) and on an idle side stream
-    (no event recorded: nothing of the client's context runs between them)."""
+    with the client on the default stream and on a side stream, both idle between requests (the
+    client then records no interprocess event: nothing of its context runs between the service's
+    copies; until 2026-12-01 the default stream recorded one for every request, and each restore
+    paid two switches)."""
     device = args.device
     layout, rope, plan, resident = child_setup(device, args.inputs)
     shared, registrable, _ = _alloc(layout, device)
@@ -387,6 +401,10 @@ def main(argv=None) -> int:
     print(f"median paired ratio service/in-process: {pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}; "
           f"target <= 1.15), median paired diff {pair['median_paired_diff_ms']:.3f} ms, "
           f"bit-identical: {pair['bit_identical']}")
+    if pair["median_block_ratio"] is not None:
+        lo, hi = pair["block_ratio_quartiles"]
+        print(f"median ratio over balanced blocks of two pairs (in-process, service, service, in-process): "
+              f"{pair['median_block_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f})")
     if steady:
         m = steady["median_us"]
         print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "

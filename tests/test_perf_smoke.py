@@ -38,6 +38,7 @@ def test_bench_service_cpu_mode(tmp_path):
     res = json.loads((tmp_path / "bench_service_cpu.json").read_text())
     assert res["paired"]["bit_identical"]
     assert len(res["paired"]["paired_ratio_quartiles"]) == 2
+    assert res["paired"]["median_block_ratio"] > 0  # two pairs: one balanced block
     steady = res["back_to_back"]["median_us"]
     assert steady["in_process"] > 0 and steady["ratios"]["service_default_stream"] > 0
     c = res["concurrent"]
