@@ -2,7 +2,9 @@
 preparation in the client's process: ``prepare_place_many`` timed in one process with the index
 inputs as each path hands them over (the in-process benchmark's int64 tensors; the service's views
 of a request body split in one call, with ``_slots_checked``), on the current stream and on a side
-stream made current with the service's raw setter, and the service's own steps around it.
+stream made current with the service's raw setter, and the service's own steps around it; last,
+the service's placement (``prepare_flat(...).run()``) against the same placement in one compiled
+call (``place_now`` from per-item views of the body), alternating call by call.
 
 Usage (GPU machine): PYTHONPATH=. python tools/profile_service_prepare.py [--repeat 2000]
 """
@@ -111,6 +113,45 @@ def main() -> None:
           f"{launch.tables.get('runs')} runs; us per call (median of 5 batches of {args.repeat // 5})")
     for name, fn in rows.items():
         print(f"  {name:<40} {timed(fn, args.repeat):8.2f}")
+    _one_call_against_prepared(kvs, cache, layout, rope, counts, values, sizes, old_flat, olds, args.repeat)
+
+
+def _one_call_against_prepared(kvs, cache, layout, rope, counts, values, sizes, old_flat, olds, rounds: int) -> None:
+    """The service's two compiled placements of the same restore, alternating call by call (the
+    service's ``one_call_placement`` setting): ``prepare_flat(...).run()`` against ``place_now``
+    from per-item views of the body (the split included, as the service does it)."""
+    from kmesh_gpu import _place_driver
+
+    T, n = sum(counts), len(kvs)
+    addresses, shapes = [k.data_ptr() for k in kvs], [k.shape for k in kvs]
+
+    def prepared():
+        _place_driver.prepare_flat(kvs, cache, layout, counts, values[:T], rope=rope, old_positions=old_flat,
+                                   new_positions=values[T:]).run()
+        return True
+
+    def one_call():
+        index = torch.from_numpy(values).split_with_sizes(sizes)
+        return _place_driver.place_now(addresses, shapes, kvs[0].dtype, cache, layout, index[:n], rope=rope,
+                                       old_positions=olds, new_positions=index[n:])
+
+    out = {"prepared": [], "one call": []}
+    for i in range(rounds + 50):
+        for name, fn in ((("prepared", prepared), ("one call", one_call)) if i % 2 == 0
+                         else (("one call", one_call), ("prepared", prepared))):
+            t = time.perf_counter()
+            ok = fn()
+            dt = (time.perf_counter() - t) * 1e6
+            assert ok, f"{name} declined"
+            if i >= 50:
+                out[name].append(dt)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    ratios = sorted(a / b for a, b in zip(out["one call"], out["prepared"]))
+    q = np.quantile(ratios, [0.25, 0.5, 0.75])
+    print(f"  the service's placement, alternating call by call ({rounds} rounds): one call (place_now) "
+          f"{np.median(out['one call']):.1f} us, prepared then launched {np.median(out['prepared']):.1f} us, "
+          f"median per-round ratio {q[1]:.3f} (quartiles {q[0]:.3f}..{q[2]:.3f})")
 
 
 def _stream_rows(on_side, cache, layout, rope, kvs, olds, slots, news) -> dict:
