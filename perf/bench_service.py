@@ -271,8 +271,7 @@ def back_to_back(args, client) -> dict:
     paths alike; here the in-process path runs with no other context in between, the service path
     with the client on the default stream and on a side stream, both idle between requests (the
     client then records no interprocess event: nothing of its context runs between the service's
-    copies; until 2026-12-01 the default stream recorded one for every request, and each restore
-    paid two switches)."""
+    copies)."""
     device = args.device
     layout, rope, plan, resident = child_setup(device, args.inputs)
     shared, registrable, _ = _alloc(layout, device)

@@ -232,8 +232,8 @@ class CacheClient:
         """Record this connection's interprocess event of ``reg`` after the calling thread's queued
         work; returns its IPC handle (64 bytes), or ``None`` when that stream has nothing queued (the
         request then has nothing to wait for, and the device has no command of this process to run
-        before the service's copy: a record would make the GPU switch to this process's context
-        and back before the copy, twice the cost of the copy itself on a GPU without MPS). Created
+        before the service's copy: on a GPU without MPS a record would make it switch to this
+        process's context and back before the copy, each switch longer than the copy). Created
         once: opening an IPC event costs the service far more than a record costs here. Called
         with ``_lock`` held.
 
