@@ -15,13 +15,14 @@ import functools
 import numpy as np
 import torch
 
+from ._once import once_per_key
 from .errors import LayoutError
 from .layout import KVLayout
 
 _RUN_COLS = 7  # RunCol in place.cu: first token, length, source address, source step, K/V offsets, cache
 
 
-@functools.lru_cache(maxsize=8)
+@once_per_key(maxsize=8)
 def _fp8_table(device: str) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
@@ -238,6 +239,6 @@ def _runs_pay(first: np.ndarray, length: np.ndarray, cap: int) -> bool:
     return first.size > 0 and 2 * int(length.sum()) >= cap * first.size
 
 
-@functools.lru_cache(maxsize=32)
+@once_per_key(maxsize=32)
 def _ones(n: int, device: str) -> torch.Tensor:
     return torch.ones(n, dtype=torch.float32, device=device)

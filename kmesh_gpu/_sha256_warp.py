@@ -8,11 +8,11 @@ the kernel logic (CI runs it on CPU), the CuPy kernel is the fast path on CUDA.
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
 from . import _backend
+from ._once import once_per_key
 
 wp = _backend.warp()
 
@@ -160,7 +160,7 @@ def sha256_tree_level_kernel(src: wp.array(dtype=wp.uint8), piece: wp.int64,
                   table[out_off + lo] + wp.int64(32) * j)
 
 
-@functools.cache
+@once_per_key(maxsize=None)
 def round_constants(device: str):
     """The 64 round constants as a Warp array on ``device`` (one per device, built once)."""
     return wp.array(ROUND_CONSTANTS, dtype=wp.uint32, device=device)

@@ -17,12 +17,12 @@ from ``rotary_dim`` to ``head_size`` are copied unchanged.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ._once import once_per_key
 from .errors import LayoutError
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -208,7 +208,7 @@ class RopeSpec:
                               f"[{int(positions.min())}, {int(positions.max())}]")
 
 
-@functools.lru_cache(maxsize=32)
+@once_per_key(maxsize=32)
 def _cos_sin_cache(spec: RopeSpec, device: str) -> torch.Tensor:
     kind, p = spec.scaling_type, spec.scaling_params
     inv_freq = spec._inv_freq(device)
@@ -228,7 +228,7 @@ def _cos_sin_cache(spec: RopeSpec, device: str) -> torch.Tensor:
     return torch.cat((cos, sin), dim=-1).to(spec.dtype)
 
 
-@functools.lru_cache(maxsize=32)
+@once_per_key(maxsize=32)
 def _cos_sin_fp32(spec: RopeSpec, device: str) -> torch.Tensor:
     return _cos_sin_cache(spec, device).float().contiguous()
 

@@ -136,3 +136,26 @@ def test_dict_round_trip():
     spec = _spec("llama3", torch.bfloat16)
     assert RopeSpec.from_dict(spec.to_dict()) == spec
     assert hash(spec) == hash(RopeSpec.from_dict(spec.to_dict()))
+
+
+def test_concurrent_first_use_builds_one_table():
+    """Threads asking at once for the table of a spec nobody has used yet get one and the same
+    tensor (the cache service sets up many clients' first placements in parallel threads; each
+    used to build and keep its own copy)."""
+    import threading
+
+    specs = [RopeSpec(64, 32, 12345.0, True, 4096, torch.float32, None) for _ in range(12)]  # equal, distinct
+    barrier = threading.Barrier(len(specs))
+    got = [None] * len(specs)
+
+    def run(i):
+        barrier.wait()
+        got[i] = specs[i].cos_sin_fp32()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(g is got[0] for g in got)
+    assert got[0].shape == (4096, 32) and got[0].dtype == torch.float32
