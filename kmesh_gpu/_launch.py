@@ -16,10 +16,20 @@ through CuPy, which sets up what is missing and raises the proper error.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
 import torch
+
+#: Driver calls that return at once (launch, asynchronous copy, record, query, stream wait, event
+#: create/destroy) keep the GIL (``ctypes.PyDLL``); the waits (event and stream synchronisation)
+#: release it (``ctypes.CDLL``). Releasing the GIL around a call of a few microseconds lets
+#: another thread take it, and the caller then waits for that thread to give it back: in a
+#: process whose threads all run Python (the cache service serving many clients) every such call
+#: became a hand-over. ``KMESH_DRIVER_GIL=release`` releases it around every call (comparisons).
+HOLD_GIL = os.environ.get("KMESH_DRIVER_GIL", "hold") != "release"
+_QUICK_LIB = ctypes.PyDLL if HOLD_GIL else ctypes.CDLL
 
 # [(cuLaunchKernel, cuMemcpyHtoDAsync_v2, cuEventRecord, cuStreamWaitEvent) or Nones], resolved once
 _DRIVER: list = []
@@ -29,7 +39,7 @@ def _functions() -> tuple:
     if not _DRIVER:
         fns = (None, None, None, None)
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            lib = _QUICK_LIB("libcuda.so.1")
             launch_fn, copy_fn = lib.cuLaunchKernel, lib.cuMemcpyHtoDAsync_v2
             record_fn, wait_fn = lib.cuEventRecord, lib.cuStreamWaitEvent
             launch_fn.restype = copy_fn.restype = record_fn.restype = wait_fn.restype = ctypes.c_int
@@ -167,11 +177,11 @@ def _event_functions():
     if not _EVENT_FNS:
         fns = None
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            create, query = lib.cuEventCreate, lib.cuEventQuery
-            sync, destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
-            stream_sync, stream_query = lib.cuStreamSynchronize, lib.cuStreamQuery
-            current = lib.cuCtxGetCurrent
+            quick, waits = _QUICK_LIB("libcuda.so.1"), ctypes.CDLL("libcuda.so.1")
+            create, query = quick.cuEventCreate, quick.cuEventQuery
+            sync, destroy = waits.cuEventSynchronize, quick.cuEventDestroy_v2
+            stream_sync, stream_query = waits.cuStreamSynchronize, quick.cuStreamQuery
+            current = quick.cuCtxGetCurrent
             for f in (create, query, sync, destroy, stream_sync, stream_query, current):
                 f.restype = ctypes.c_int
             create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from kmesh_gpu import _launch
 from kmesh_gpu.errors import DrainError
 
 from .registry import Completion
@@ -33,23 +34,30 @@ class CudaEventCompletion(Completion):
         self._spin_s = spin_s
         self._spin_while = spin_while
 
+    def _query(self) -> bool:
+        """Whether the event's last record has completed: the driver's query (it keeps the GIL,
+        see :data:`kmesh_gpu._launch.HOLD_GIL`), torch's where that is not available (which
+        raises a device error properly)."""
+        done = _launch.event_query(self.event.cuda_event)
+        return self.event.query() if done is None else done
+
     def wait(self, timeout: float | None) -> bool:
-        event = self.event
-        if event.query():  # a short copy has often finished by the time its request looks
+        event, query = self.event, self._query
+        if query():  # a short copy has often finished by the time its request looks
             return True
         start = time.monotonic()
         spin = self._spin_s if timeout is None else min(self._spin_s, timeout)
         if spin > 0:
             spin_while = self._spin_while
             while time.monotonic() - start < spin and (spin_while is None or spin_while()):
-                if event.query():
+                if query():
                     return True
         if timeout is None:
             event.synchronize()
             return True
         deadline = start + timeout
         pause = 2e-5
-        while not event.query():
+        while not query():
             now = time.monotonic()
             if now >= deadline:
                 return False

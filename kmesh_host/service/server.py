@@ -64,7 +64,7 @@ from .completions import CudaEventCompletion, RefusingCompletion
 from .memory import DeviceMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
 from .restore_plan import _item_plan, _restore_blocks
-from .sockets import bind_socket, check_peer, peer_identity
+from .sockets import bind_socket, check_peer, name_native_thread, peer_identity
 from .sources import DeviceOriginals, HostOriginals, SourceSegment, StoreSource, TieredSource, check_segment
 
 
@@ -202,6 +202,7 @@ class _Service:
                   file=sys.stderr)
 
     def _accept_loop(self) -> None:
+        name_native_thread("kmesh-accept")
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -233,6 +234,7 @@ class _Service:
         conn.close()
 
     def _reap_loop(self) -> None:
+        name_native_thread("kmesh-reaper")
         while not self._stop.wait(self.config.reap_interval_s):
             self.registry.reap(timeout=0.0)
 
@@ -241,6 +243,7 @@ class _Service:
 
     # ------------------------------------------------------------------ one connection
     def _serve_connection(self, conn: socket.socket, conn_id: int) -> None:
+        name_native_thread(f"kmesh-conn-{conn_id}")
         try:
             try:
                 peer = peer_identity(conn)
