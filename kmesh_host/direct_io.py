@@ -129,6 +129,7 @@ class DirectFile:
         self.fallback_reason = None if direct else "O_DIRECT not requested"
         flags = os.O_RDONLY | os.O_CLOEXEC
         self._fd = -1
+        self._retired: list[int] = []  # descriptors replaced by a fallback: reads may still name them
         self._lock = threading.Lock()
         if direct:
             try:
@@ -150,8 +151,10 @@ class DirectFile:
             if not self.o_direct:
                 return
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            old, self._fd = self._fd, fd
-            os.close(old)
+            # Not closed here: reads queued on io_uring carry the old descriptor NUMBER; closing it
+            # now lets any open() reuse the number and those reads read another file.
+            self._retired.append(self._fd)
+            self._fd = fd
             self.o_direct = False
             self.fallback_reason = f"filesystem refused an O_DIRECT read ({exc.strerror})"
 
@@ -183,6 +186,8 @@ class DirectFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        while self._retired:
+            os.close(self._retired.pop())
 
     def __enter__(self):
         return self
@@ -295,7 +300,12 @@ class ReadEngine:
         for a, b in chunks:
             fut: Future = Future()
             pieces.append((a, b, fut))
-            self._read(file, buffer, base, a, b, start + a, functools.partial(_settle, fut))
+            try:
+                self._read(file, buffer, base, a, b, start + a, functools.partial(_settle, fut))
+            except Exception as exc:  # not queued: this chunk fails (the others are still waited for)
+                fut.set_exception(exc if isinstance(exc, StorageError) else
+                                  StorageError(f"segment {name or file.path}: read at {start + a} could not be "
+                                               f"queued: {exc}"))
         return RangeRead(file, name or file.path, lead, length, pieces)
 
     def start(self, file: DirectFile, offset: int, length: int, buffer: memoryview,
@@ -313,8 +323,12 @@ class ReadEngine:
         label = name or file.path
         base = _address(buffer) if self._uring is not None else 0
         for a, b in chunks:
-            self._read(file, buffer, base, a, b, start + a,
-                       functools.partial(_chunk_done, a, b, lead, end, label, on_chunk))
+            done = functools.partial(_chunk_done, a, b, lead, end, label, on_chunk)
+            try:
+                self._read(file, buffer, base, a, b, start + a, done)
+            except Exception as exc:  # not queued (engine closed, io_uring_enter failed): this chunk fails
+                done(0, exc if isinstance(exc, StorageError) else
+                     StorageError(f"segment {label}: read at {start + a} could not be queued: {exc}"))
         return len(chunks)
 
     def read(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *, name: str = "") -> memoryview:
@@ -384,7 +398,7 @@ class RangeRead:
         for _, _, fut in self._pieces:
             try:
                 fut.result()
-            except Exception:  # already reported by chunks(); here we only wait for the writer to stop
+            except BaseException:  # already reported by chunks(); here we only wait for the writer to stop
                 pass
 
 

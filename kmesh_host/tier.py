@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from kmesh_gpu.errors import BudgetExceeded, KmeshError
+from kmesh_gpu.errors import BudgetExceeded, FingerprintMismatch, KmeshError, SegmentNotFound, StorageError
 
 from .direct_io import ENGINES, DirectFile, HostBuffer, ReadEngine, round_up
 from .segment import ModelFingerprint, SegmentHeader, check_fingerprint, check_payload
@@ -263,6 +263,9 @@ class HostTier:
         self._engine = ReadEngine(config.read_threads, config.chunk_bytes, engine=config.io_engine)
         # Separate from the read pool: a load waits on its chunk reads there.
         self._loader = ThreadPoolExecutor(max(1, config.parallel_loads), thread_name_prefix="kmesh-load")
+        # Host checks that finish pipelined loads: never queued behind loader threads that wait
+        # (as joiners) for those very loads.
+        self._checker = ThreadPoolExecutor(max(1, config.parallel_loads), thread_name_prefix="kmesh-check")
         self._flight = SingleFlight()
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -287,10 +290,28 @@ class HostTier:
             lease = self.acquire_resident(key, model_fingerprint=model_fingerprint)
             if lease is not None:
                 return lease
-            if self.config.singleflight:
-                entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, on_chunk))
-            else:
-                entry, joined = self._load(key, model_fingerprint, on_chunk), False
+            # The caller's own callback failing fails this call only: the load goes on for joiners.
+            cb_error: list = []
+            chunk = None if on_chunk is None else _guarded(on_chunk, cb_error)
+            try:
+                if self.config.singleflight:
+                    entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, chunk))
+                else:
+                    entry, joined = self._load(key, model_fingerprint, chunk), False
+            except FingerprintMismatch:
+                # a joined load may have been led by a caller of another model: decide with ours
+                check_fingerprint(self.store.read_header(key), model_fingerprint)
+                continue
+            if entry is None:  # it became resident while this call was starting: lease that copy
+                continue
+            if cb_error and not joined:
+                with self._lock:
+                    alive = not entry.dropped
+                    if alive:
+                        entry.refs += 1
+                if alive:
+                    self._release(entry)  # drops a private or unretained copy
+                raise cb_error[0]
             with self._lock:
                 # Budget pressure may have dropped a fresh entry before its caller got to it; a
                 # leader whose key was already resident keeps its own copy privately.
@@ -387,6 +408,16 @@ class HostTier:
                 if self.config.singleflight and call is None:  # another call is loading it: join
                     self._join(i, key, model_fingerprint, on_chunk, on_done)
                     continue
+                if call is not None:  # a load that ended after the check above made it resident
+                    try:
+                        lease = self.acquire_resident(key, model_fingerprint=model_fingerprint)
+                    except BaseException as exc:
+                        self._flight.settle(key, call, error=exc)
+                        raise
+                    if lease is not None:
+                        self._flight.settle(key, call, result=None)  # joiners lease it themselves
+                        on_done(i, lease, None)
+                        continue
             except BaseException as exc:
                 on_done(i, None, exc)
                 continue
@@ -399,7 +430,7 @@ class HostTier:
                     self._flight.settle(key, call, error=exc)
                 on_done(i, None, exc)
         for load in loads:
-            load.submit()
+            load.submit()  # a chunk the engine refuses to queue is reported as that chunk's error
 
     def _join(self, i: int, key: str, fingerprint: ModelFingerprint, on_chunk, on_done) -> None:
         """:meth:`acquire` on a loader thread, reported through ``on_done``."""
@@ -436,8 +467,11 @@ class HostTier:
         return f"host {'SHA-256' if self.config.verify == 'sha256' else 'kmesh-tree-sha256 root'} " \
                "when it entered the tier"
 
-    def _load(self, key: str, fingerprint: ModelFingerprint, on_chunk) -> _Entry:
+    def _load(self, key: str, fingerprint: ModelFingerprint, on_chunk) -> _Entry | None:
         store = self.store
+        with self._lock:
+            if key in self._entries:  # loaded by a call that ended after this one checked: no new read
+                return None
         header = store.read_header(key)
         check_fingerprint(header, fingerprint)
         padded = header.padded_length
@@ -445,7 +479,7 @@ class HostTier:
         buf = self.pool.acquire(lead + padded, name=key)
         try:
             if store.local:
-                with DirectFile(store.local_path(key), direct=self.config.o_direct) as f:
+                with _open_direct(store, key, self.config.o_direct) as f:
                     rr = self._engine.submit(f, header.payload_offset, padded, buf.view, name=key)
                     for lo, hi in rr.chunks():
                         if on_chunk is not None:
@@ -581,6 +615,7 @@ class HostTier:
             return
         self._closed = True
         self._loader.shutdown(wait=True)
+        self._checker.shutdown(wait=True)
         self.evict()
         self.pool.close()
         self._engine.close()
@@ -590,6 +625,30 @@ class HostTier:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _guarded(on_chunk, errors: list):
+    """``on_chunk`` that records its first failure in ``errors`` (and is not called again)."""
+    def chunk(c, lo, hi):
+        if errors:
+            return
+        try:
+            on_chunk(c, lo, hi)
+        except BaseException as exc:  # noqa: BLE001 - re-raised to the caller that passed it
+            errors.append(exc)
+    return chunk
+
+
+def _open_direct(store: SegmentStore, key: str, direct: bool) -> DirectFile:
+    """``key``'s file opened for payload reads; a file gone or unreadable since its header was read is
+    a typed error naming the segment."""
+    path = store.local_path(key)
+    try:
+        return DirectFile(path, direct=direct)
+    except FileNotFoundError as exc:
+        raise SegmentNotFound(f"segment {key}: {path} disappeared while loading (deleted?)") from exc
+    except OSError as exc:
+        raise StorageError(f"segment {key}: cannot open {path}: {exc}") from exc
 
 
 class _PipelinedLoad:
@@ -606,7 +665,7 @@ class _PipelinedLoad:
         self.lead = header.payload_offset % 4096
         self.buf = tier.pool.acquire(self.lead + header.padded_length, name=key)
         try:
-            self.file = DirectFile(tier.store.local_path(key), direct=tier.config.o_direct)
+            self.file = _open_direct(tier.store, key, tier.config.o_direct)
         except BaseException:
             tier.pool.release(self.buf)
             raise
@@ -639,7 +698,7 @@ class _PipelinedLoad:
             self.o_direct, self.note = self.file.o_direct, self.file.fallback_reason
             self.file.close()
             if self.error is None and self.tier.config.verify != "none":
-                self.tier._loader.submit(self._finish)
+                self.tier._checker.submit(self._finish)
             else:
                 self._finish()
 

@@ -159,6 +159,10 @@ class Ring:
     def close(self) -> None:
         if self.fd < 0:
             return
+        # Our numpy views export the maps' buffers: while they live, mmap.close() raises BufferError
+        # and each map keeps its dup() of the ring descriptor (and the kernel ring) open.
+        self._sq_head = self._sq_tail = self._sq_array = self._cq_head = self._cq_tail = None
+        self._cqe_ud = self._cqe_res = self._sqes = self._sqe64 = self._sqe32 = None
         for m in {id(x): x for x in (self._sq_map, self._cq_map, self._sqe_map)}.values():
             try:
                 m.close()
