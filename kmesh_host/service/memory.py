@@ -184,6 +184,10 @@ class Mapping(ABC):
     def close(self) -> None:
         """Unmap. Called once, after every operation on the registration has drained."""
 
+    def identity(self, h: MemoryHandle) -> bytes:
+        """What makes two registrations the same allocation (the registry refuses a second live one)."""
+        return h.key
+
     def cache(self, layout) -> torch.Tensor:
         """The cache tensor seen through ``layout`` (``physical_shape``, ``layout.dtype``)."""
         return self.tensor.view(layout.dtype).reshape(layout.physical_shape)
@@ -203,13 +207,19 @@ class _ShmMapping(Mapping):
         except OSError as exc:
             raise ProtocolError(f"memory: cannot open shared memory {name!r}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            # the segment itself, however its name is spelled ("/x", "//x", a hard link)
+            self._file = (st.st_dev, st.st_ino)
             if h.offset + h.nbytes > size:
                 raise LayoutError(f"memory: offset {h.offset} + nbytes {h.nbytes} exceeds the {size}-byte segment")
             self._mmap = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=h.nbytes, offset=h.offset)
+
+    def identity(self, h: MemoryHandle) -> bytes:
+        return b"shm|%d:%d|%d|%d" % (*self._file, h.offset, h.nbytes)
 
     def close(self) -> None:
         self.tensor = None

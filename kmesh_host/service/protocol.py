@@ -28,6 +28,7 @@ usable.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
@@ -119,6 +120,26 @@ def _recv_exact(sock: socket.socket, view: memoryview, got: int) -> None:
         got += k
 
 
+#: frames up to this size are received into a buffer allocated at once; larger ones grow as they arrive
+PREALLOC_BYTES = 1 << 20
+
+
+def _recv_growing(sock: socket.socket, n: int) -> bytearray:
+    """The next ``n`` bytes (a frame has begun), received in chunks into a buffer that grows with them."""
+    buf = bytearray()
+    chunk = bytearray(PREALLOC_BYTES)
+    view = memoryview(chunk)
+    while len(buf) < n:
+        try:
+            k = sock.recv_into(view, min(len(chunk), n - len(buf)))
+        except socket.timeout as exc:
+            raise ConnectionClosed("timed out in the middle of a frame") from exc
+        if k == 0:
+            raise ConnectionClosed(f"connection closed in the middle of a frame ({len(buf)} of {n} bytes)")
+        buf += view[:k]
+    return buf
+
+
 #: Polling for a frame wants a core for each side; with fewer usable CPUs than this it delays the
 #: peer that is to answer more than the wake-up latency it saves, so ``None`` (auto) means no polling.
 MIN_CPUS_TO_SPIN = 4
@@ -207,6 +228,14 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         if body_len > max_body_bytes:
             raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
         n = header_len + body_len
+        if n > PREALLOC_BYTES:
+            # a large frame: its buffer grows with the bytes that arrive, so that a prefix alone
+            # (16 bytes) cannot make the receiver hold max_body_bytes for as long as it trickles
+            if current != frame_timeout:
+                sock.settimeout(frame_timeout)
+                current = frame_timeout
+            buf = _recv_growing(sock, n)
+            return flags, buf, memoryview(buf)[header_len:]
         buf = bytearray(n)
         view = memoryview(buf)
         try:
@@ -231,8 +260,10 @@ def decode_header(raw) -> dict:
     the header's own length is taken from its prefix by the caller)."""
     try:
         header = json.loads(str(raw, "utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"header: not valid UTF-8 JSON ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, and integers longer than sys.get_int_max_str_digits();
+        # RecursionError: nesting deeper than the interpreter's recursion limit
+        raise ProtocolError(f"header: not valid UTF-8 JSON ({type(exc).__name__}: {str(exc)[:200]})") from exc
     if not isinstance(header, dict):
         raise ProtocolError(f"header: expected a JSON object, got {type(header).__name__}")
     return header
@@ -274,8 +305,15 @@ def error_code(exc: BaseException) -> str:
     return "service"
 
 
+#: the longest error message a reply carries (messages quote the request, whose header may be 1 MiB)
+MAX_ERROR_MESSAGE = 2048
+
+
 def error_reply(request_id, exc: BaseException) -> dict:
-    return {"id": request_id, "ok": False, "error": {"code": error_code(exc), "message": str(exc)}}
+    message = str(exc)
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE] + f"... ({len(message)} characters)"
+    return {"id": request_id, "ok": False, "error": {"code": error_code(exc), "message": message}}
 
 
 def raise_for_reply(header: dict) -> None:
@@ -303,6 +341,21 @@ def field(header: dict, name: str, kind, *, optional: bool = False, default=None
     if not isinstance(value, kinds):
         raise ProtocolError(f"{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
     return value
+
+
+def timeout_field(header: dict, name: str = "timeout") -> float | None:
+    """An optional timeout in seconds: ``None``, or a finite number in ``0..MAX_TIMEOUT_S`` (what a
+    binary restore accepts; JSON also parses NaN, Infinity and integers beyond float range)."""
+    value = field(header, name, (int, float), optional=True)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ProtocolError(f"{name}: expected 0..{MAX_TIMEOUT_S:g} seconds, got {value!r:.40}")
+    return seconds
 
 
 def int_list(header: dict, name: str, *, optional: bool = False) -> list[int] | None:

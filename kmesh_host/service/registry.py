@@ -442,11 +442,13 @@ class Registry:
             ops.pop(op.op_id, None)
             free_reg = not ops and reg.state in (REG_CLOSING, REG_ORPHANED)
             callback, op.on_drained = op.on_drained, None
-        if callback is not None:
-            callback(op)
-        op.keepalive.clear()
-        if free_reg:
-            self._free([reg])
+        try:
+            if callback is not None:
+                callback(op)
+        finally:  # the operation is released whatever its callback did
+            op.keepalive.clear()
+            if free_reg:
+                self._free([reg])
 
     def _source_holds(self) -> dict[str, int]:
         """Key -> number of pending operations that read or write it. Counted when asked (evict,

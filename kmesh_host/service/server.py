@@ -375,9 +375,13 @@ class _Service:
         inject = inject or {}
         if inject and not self.config.allow_fault_injection:
             raise ProtocolError("inject: fault injection is disabled in this service")
-        for k in inject:
+        for k, v in inject.items():
             if k not in ("spin_cycles", "fail_after_submit", "refuse_waits"):
                 raise ProtocolError(f"inject: unknown fault {k!r}")
+            if k == "fail_after_submit" and type(v) is not bool:
+                raise ProtocolError("inject.fail_after_submit: expected a bool")
+            if k != "fail_after_submit" and (type(v) is not int or not 0 <= v < 1 << 62):
+                raise ProtocolError(f"inject.{k}: expected an int in 0..2^62")
         return inject
 
     @staticmethod
@@ -549,9 +553,15 @@ class _Service:
         from kmesh_gpu import KVLayout, RopeSpec
 
         handle = MemoryHandle.from_dict(protocol.field(h, "memory", dict))
-        layout = KVLayout.from_dict(protocol.field(h, "layout", dict))
+        layout_d = protocol.field(h, "layout", dict)
         rope_d = protocol.field(h, "rope", dict, optional=True)
-        rope = RopeSpec.from_dict(rope_d) if rope_d is not None else None
+        try:
+            layout = KVLayout.from_dict(layout_d)
+            rope = RopeSpec.from_dict(rope_d) if rope_d is not None else None
+        except KmeshError:
+            raise
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise LayoutError(f"layout/rope: malformed description ({type(exc).__name__}: {exc})") from exc
         instance = protocol.field(h, "instance", int, optional=True, default=0)
         itemsize = torch.empty((), dtype=layout.dtype).element_size()
         need = 1
@@ -575,7 +585,7 @@ class _Service:
                 extra["stream_ids"] = _ids(extra["stream"])
                 extra["device_index"] = cache.device.index
                 extra["free_events"] = []  # completion events to record again (see restore)
-            reg = self.registry.register(peer, instance=instance, handle_key=handle.key, layout=layout,
+            reg = self.registry.register(peer, instance=instance, handle_key=mapping.identity(handle), layout=layout,
                                          memory=mapping, extra=extra)
         except BaseException:
             mapping.close()
@@ -688,6 +698,8 @@ class _Service:
         inject = self._inject(protocol.field(h, "inject", dict, optional=True))
         key = protocol.field(h, "key", str)
         tensors = protocol.field(h, "tensors", dict)
+        wait = protocol.field(h, "wait", bool, optional=True, default=True)
+        timeout = protocol.timeout_field(h)
         slot_t = protocol.unpack_int64(tensors, body, "slots")
         positions = protocol.unpack_int64(tensors, body, "positions")
         token_ids = protocol.unpack_int64(tensors, body, "token_ids", optional=True)
@@ -710,6 +722,7 @@ class _Service:
             raise
         cache, layout = reg.extra["cache"], reg.layout
         host_box: list = []
+        publish_errors: list = []
 
         def enqueue(keepalive):
             kv = gather(cache, layout, slot_t, backend=self.config.backend)
@@ -726,14 +739,19 @@ class _Service:
             try:
                 if drained_op.outcome == "ok" and host_box:
                     self.sources.put(key, SourceSegment(host_box[0], positions, token_ids))
+            except KmeshError as exc:  # told to the save's requester (if it waits), not to whoever drained
+                drained_op.error = f"not published: {exc}"
+                publish_errors.append(exc)
             finally:
                 host_box.clear()
                 with self._lock:
                     self._saving.discard(key)
 
         self._submit(reg, op, inject, enqueue, client_event=client_event, on_drained=publish)
-        op = self._finish(op, protocol.field(h, "wait", bool, optional=True, default=True),
-                          protocol.field(h, "timeout", (int, float), optional=True))
+        op = self._finish(op, wait, timeout)
+        if publish_errors:
+            publish_errors[0].op_id = op.op_id
+            raise publish_errors[0]
         return {"op": op.op_id, "state": op.state}, b""
 
     def op_cancel(self, h, body, peer, conn_id):
@@ -745,23 +763,24 @@ class _Service:
         reg = self._authorize(h, peer, for_new_work=False)
         ids = protocol.int_list(h, "ops", optional=True)
         ops = self.registry.pending_ops(reg) if ids is None else [self.registry.op(reg, i) for i in ids]
-        self.registry.drain(ops, protocol.field(h, "timeout", (int, float), optional=True))
+        self.registry.drain(ops, protocol.timeout_field(h))
         return {"drained": [op.op_id for op in ops]}, b""
 
     def op_acquire(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer)
         blocks = self.registry.check_blocks(reg, protocol.int_list(h, "blocks"))
+        timeout = protocol.timeout_field(h)
         ops = self.registry.pending_ops(reg, blocks)
-        self.registry.drain(ops, protocol.field(h, "timeout", (int, float), optional=True))
+        self.registry.drain(ops, timeout)
         return {"blocks": sorted(blocks), "drained": [op.op_id for op in ops]}, b""
 
     def op_close(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer, for_new_work=False)
+        timeout = protocol.timeout_field(h)  # checked before anything changes
         self.registry.close(reg)
         events = self._conn_events.get(conn_id)
         if events is not None:
             events.pop(reg.reg_id, None)
-        timeout = protocol.field(h, "timeout", (int, float), optional=True)
         try:
             self.registry.drain(self.registry.pending_ops(reg), timeout)
         except DrainError:
