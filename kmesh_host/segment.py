@@ -57,7 +57,7 @@ import torch
 
 from kmesh_gpu.errors import FingerprintMismatch, IntegrityError, LayoutError
 
-from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, sha256, tree_digest
+from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, check_tree_params, sha256, tree_digest
 
 FORMAT_NAME = "kmesh-segment"
 FORMAT_VERSION = 1
@@ -437,6 +437,49 @@ def read_schema_head(head, name: str, file_size: int) -> tuple[int, int]:
     return offset, padded
 
 
+def _tree_params_ok(leaf_size, fanout) -> bool:
+    try:
+        check_tree_params(leaf_size, fanout)
+    except IntegrityError:
+        return False
+    return True
+
+
+def _fb_field(buf: memoryview, table: int, index: int) -> int:
+    """Absolute position of field ``index`` of the flatbuffer table at ``table`` (0 if absent)."""
+    vtable = table - int.from_bytes(buf[table: table + 4], "little", signed=True)
+    vt_size = int.from_bytes(buf[vtable: vtable + 2], "little")
+    if 4 + 2 * index + 2 > vt_size:
+        return 0
+    rel = int.from_bytes(buf[vtable + 4 + 2 * index: vtable + 6 + 2 * index], "little")
+    return table + rel if rel else 0
+
+
+def _fb_deref(buf: memoryview, pos: int) -> int:
+    return pos + int.from_bytes(buf[pos: pos + 4], "little")
+
+
+def _batch_is_compressed(file_image: pa.Buffer, name: str) -> bool:
+    """Whether the file's record batch (the footer's first block) declares body compression.
+
+    Called after ``pa.ipc.open_file`` accepted the footer (Arrow verified its flatbuffer)."""
+    try:
+        data = memoryview(file_image).cast("B")
+        size = len(data)
+        footer_len = int.from_bytes(data[size - 10: size - 6], "little", signed=True)
+        footer = data[size - 10 - footer_len: size - 10]
+        root = _fb_deref(footer, 0)
+        batches = _fb_field(footer, root, 3)                    # Footer.recordBatches: [Block]
+        vec = _fb_deref(footer, batches)
+        block_offset = int.from_bytes(footer[vec + 4: vec + 12], "little", signed=True)  # Block.offset
+        message = pa.ipc.read_message(pa.BufferReader(file_image.slice(block_offset)))
+        meta = memoryview(message.metadata).cast("B")
+        header = _fb_field(meta, _fb_deref(meta, 0), 2)        # Message.header: RecordBatch
+        return _fb_field(meta, _fb_deref(meta, header), 3) != 0  # RecordBatch.compression
+    except (pa.ArrowException, OSError, EOFError, ValueError, IndexError, TypeError) as exc:
+        raise _fail(name, f"corrupt Arrow footer or message ({type(exc).__name__}: {exc})", exc) from exc
+
+
 def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padded_length: int) -> SegmentHeader:
     """Parse and check a segment file's metadata.
 
@@ -450,6 +493,9 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
         reader = pa.ipc.open_file(pa.BufferReader(file_image))
         if reader.num_record_batches != 1:
             raise _fail(name, f"expected one record batch, found {reader.num_record_batches}")
+        if _batch_is_compressed(file_image, name):
+            # Decompression would allocate whatever sizes the file declares (a few KiB can ask for GiBs)
+            raise _fail(name, "compressed Arrow body (KMesh segments are never compressed)")
         batch = reader.get_batch(0)
         expected = segment_schema(padded_length, payload_offset)
         if not batch.schema.equals(expected, check_metadata=False) or \
@@ -477,8 +523,8 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
         fp_row["rope"] = json.loads(fp_row["rope"])
         fingerprint = ModelFingerprint.from_dict(fp_row)
         dtype = dtype_name(row["dtype"])
-    except (LayoutError, TypeError, ValueError, KeyError) as exc:
-        raise _fail(name, f"malformed fingerprint or dtype ({exc})", exc) from exc
+    except (LayoutError, TypeError, ValueError, KeyError, RecursionError) as exc:
+        raise _fail(name, f"malformed fingerprint or dtype ({type(exc).__name__}: {str(exc)[:200]})", exc) from exc
     shape = tuple(row["shape"] or ())
     tok = np.asarray(row["token_ids"] or [], dtype="<i8")
     pos = np.asarray(row["positions"] or [], dtype="<i8")
@@ -492,7 +538,7 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
         (isinstance(chunk, int) and chunk >= 512 and chunk & (chunk - 1) == 0, f"chunk_size {chunk}"),
         (len(shape) == 5 and length == math.prod(shape) * SEGMENT_DTYPES[dtype].itemsize, "payload_length"),
         (isinstance(chunk, int) and chunk > 0 and padded_length == -(-length // chunk) * chunk, "padded length"),
-        (row["tree_leaf_size"] > 0 and row["tree_fanout"] > 1, "tree parameters"),
+        (_tree_params_ok(row["tree_leaf_size"], row["tree_fanout"]), "tree parameters"),
     ]
     for ok, what in checks:
         if not ok:

@@ -17,6 +17,7 @@ stores a single PUT is already atomic, so the temporary name is skipped there).
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -44,6 +45,8 @@ from .segment import (
 SUFFIX = ".arrow"
 _HEAD_PROBE = 4096
 _HEAD_PROBE_MAX = 1 << 20
+# After the payload comes only the Arrow footer (the schema again and one block): a few KiB.
+_TAIL_MAX = 1 << 20
 _ATOMIC_PUT_FILESYSTEMS = ("s3", "gcs", "abfs")
 _HEADER_CACHE_ENTRIES = 4096
 
@@ -155,8 +158,8 @@ class SegmentStore:
             while done < len(view):
                 done += os.write(fd, view[done:])
             os.fsync(fd)
-            os.close(fd)
-            fd = -1
+            fd, closing = -1, fd
+            os.close(closing)   # released even when close reports an error: never closed twice
             os.replace(tmp, path)
             dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -165,29 +168,40 @@ class SegmentStore:
                 os.close(dfd)
         except BaseException as exc:
             if fd >= 0:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
             self._remove_quietly(tmp)
             if isinstance(exc, OSError):
                 raise StorageError(f"writing {path} failed: {exc}") from exc
             raise
 
-    def _remove_quietly(self, path: str) -> None:
+    def _remove_quietly(self, path: str) -> bool:
         try:
             if self.local:
                 os.unlink(path)
             else:
                 self.filesystem.delete_file(path)
         except (OSError, pa.ArrowException):
-            pass
+            return False
+        return True
 
     # ------------------------------------------------------------------ read
     def _open(self, key: str):
         path = self.path(key)
         try:
             if self.local:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                return _LocalRandomAccess(fd)
-            return _ArrowRandomAccess(self.filesystem.open_input_file(path))
+                # O_NONBLOCK: a FIFO (or device) at the path must not block the open
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise IntegrityError(f"segment {key}: {path} is not a regular file")
+                    return _LocalRandomAccess(fd, key)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            return _ArrowRandomAccess(self.filesystem.open_input_file(path), key)
         except FileNotFoundError as exc:
             raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
         except OSError as exc:
@@ -224,11 +238,12 @@ class SegmentStore:
         self._count("file_reads")
         with self._open(key) as f:
             size = f.size
-            image = bytearray(size)
-            got = f.read_into(memoryview(image), 0)
+            head, n, offset, padded = _locate(f, key)
+            image = bytearray(size)      # bounded by _locate: payload + 2 MiB at most
+            image[:n] = head[:n]
+            got = n + f.read_into(memoryview(image)[n:], n)
         if got != size:
             raise IntegrityError(f"segment {key}: file changed size while reading ({got} of {size} bytes)")
-        offset, padded = read_schema_head(memoryview(image)[: min(size, _HEAD_PROBE_MAX)], key, size)
         header = decode_header(pa.py_buffer(image), key, payload_offset=offset, padded_length=padded)
         if header.key != key:
             raise IntegrityError(f"segment {key}: the file holds segment {header.key}")
@@ -265,6 +280,8 @@ class SegmentStore:
     # ------------------------------------------------------------------ delete / list
     def delete(self, key: str, *, missing_ok: bool = False) -> None:
         """Remove segment ``key`` (SegmentNotFound if absent, unless ``missing_ok``)."""
+        if missing_ok and not is_key(key):
+            return
         path = self.path(key)
         if self._header_cache is not None:
             with self._lock:
@@ -289,11 +306,13 @@ class SegmentStore:
         if self.local:
             for shard in os.scandir(self._dir):
                 if shard.is_dir() and len(shard.name) == 2:
-                    out += [e.name[: -len(SUFFIX)] for e in os.scandir(shard.path) if e.name.endswith(SUFFIX)]
+                    out += [e.name[: -len(SUFFIX)] for e in os.scandir(shard.path)
+                            if e.name.endswith(SUFFIX) and e.name.startswith(shard.name) and e.is_file()]
         else:
             infos = self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True))
             out = [i.base_name[: -len(SUFFIX)] for i in infos
-                   if i.type == pafs.FileType.File and i.base_name.endswith(SUFFIX)]
+                   if i.type == pafs.FileType.File and i.base_name.endswith(SUFFIX)
+                   and i.path.rsplit("/", 2)[-2] == i.base_name[:2]]
         return sorted(k for k in out if is_key(k))
 
     def remove_temporaries(self) -> int:
@@ -307,20 +326,19 @@ class SegmentStore:
                 if shard.is_dir():
                     for e in os.scandir(shard.path):
                         if e.name.startswith(".") and e.name.endswith(".tmp"):
-                            self._remove_quietly(e.path)
-                            count += 1
+                            count += self._remove_quietly(e.path)
             return count
         for i in self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True)):
             if i.type == pafs.FileType.File and i.base_name.startswith(".") and i.base_name.endswith(".tmp"):
-                self._remove_quietly(i.path)
-                count += 1
+                count += self._remove_quietly(i.path)
         return count
 
 
 # ---------------------------------------------------------------------- file access helpers
 class _LocalRandomAccess:
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, name: str = "?"):
         self.fd = fd
+        self.name = name
         st = os.fstat(fd)
         self.size = st.st_size
         self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -330,7 +348,10 @@ class _LocalRandomAccess:
     def read_into(self, view: memoryview, offset: int) -> int:
         done = 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
+            try:
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise StorageError(f"segment {self.name}: read failed: {exc}") from exc
             if n == 0:
                 break
             done += n
@@ -347,13 +368,17 @@ class _LocalRandomAccess:
 
 
 class _ArrowRandomAccess:
-    def __init__(self, f):
+    def __init__(self, f, name: str = "?"):
         self.f = f
+        self.name = name
         self.size = f.size()
         self.identity = None
 
     def read_into(self, view: memoryview, offset: int) -> int:
-        data = memoryview(self.f.read_at(len(view), offset)).cast("B")
+        try:
+            data = memoryview(self.f.read_at(len(view), offset)).cast("B")
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(f"segment {self.name}: read failed: {exc}") from exc
         view[: len(data)] = data
         return len(data)
 
@@ -367,8 +392,10 @@ class _ArrowRandomAccess:
         self.close()
 
 
-def _read_header(f, key: str) -> SegmentHeader:
-    """Header of an open segment file from its head and footer (the payload bytes are not read)."""
+def _locate(f, key: str):
+    """``(head, n, payload_offset, padded_length)``: the file's first ``n`` bytes and where its payload
+    lies; refuses a file with more than ``_TAIL_MAX`` bytes after the payload before anything of the
+    file's size is allocated (a sparse file can claim any size)."""
     size = f.size
     probe = _HEAD_PROBE
     while True:
@@ -381,6 +408,16 @@ def _read_header(f, key: str) -> SegmentHeader:
             if probe >= min(size, _HEAD_PROBE_MAX):
                 raise
             probe *= 16
+    if size - (offset + padded) > _TAIL_MAX:
+        raise IntegrityError(f"segment {key}: {size - offset - padded} bytes after the payload; a segment "
+                             f"file has at most {_TAIL_MAX} (not a segment file, or damaged)")
+    return head, n, offset, padded
+
+
+def _read_header(f, key: str) -> SegmentHeader:
+    """Header of an open segment file from its head and footer (the payload bytes are not read)."""
+    size = f.size
+    head, n, offset, padded = _locate(f, key)
     image = pa.allocate_buffer(size)
     view = memoryview(image).cast("B")
     lead = min(offset, n)
@@ -399,10 +436,19 @@ def _read_header(f, key: str) -> SegmentHeader:
 def open_header(path: str, name: str) -> SegmentHeader:
     """Header of the segment file at local ``path`` (``name`` appears in errors)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise SegmentNotFound(f"segment {name}: no file {path}") from exc
-    with _LocalRandomAccess(fd) as f:
+    except OSError as exc:
+        raise StorageError(f"segment {name}: cannot open {path}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IntegrityError(f"segment {name}: {path} is not a regular file")
+        f = _LocalRandomAccess(fd, name)
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
         return _read_header(f, name)
 
 
