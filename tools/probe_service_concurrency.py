@@ -103,12 +103,14 @@ def warm_up(client, device: str) -> None:
 
 
 def run_one(device: str, clients: int, rounds: int, reply_spin, receive_spin, driver_gil: str,
-            completion_spin) -> dict:
+            completion_spin, switch_interval) -> dict:
     os.environ["KMESH_DRIVER_GIL"] = driver_gil  # read by kmesh_gpu._launch in the processes spawned next
     d = tempfile.mkdtemp(prefix="kmsc-")
     path = os.path.join(d, "svc", "kmesh.sock")
     try:
         extra = {} if completion_spin is None else {"completion_spin_s": completion_spin}
+        if switch_interval is not None:
+            extra["switch_interval_s"] = switch_interval
         cfg = ServiceConfig(socket_path=path, host_budget_bytes=1 << 30, receive_spin_s=receive_spin, **extra)
         with CacheService(cfg) as svc, CacheClient(path, timeout=300) as client:
             for key, kv, pos in bs.originals():
@@ -139,21 +141,23 @@ def main() -> None:
                     help="KMESH_DRIVER_GIL of the service (and clients): quick driver calls keep or release the GIL")
     ap.add_argument("--completion-spin", nargs="+", default=["auto"],
                     help="ServiceConfig.completion_spin_s (auto: its default)")
+    ap.add_argument("--switch-interval", nargs="+", default=["auto"],
+                    help="ServiceConfig.switch_interval_s (auto: Python's default)")
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     settings = list(itertools.product(args.clients, args.reply_spin, args.receive_spin, args.driver_gil,
-                                         args.completion_spin))
+                                         args.completion_spin, args.switch_interval))
     runs = {s: [] for s in settings}
     for r in range(args.repeats):
         order = settings if r % 2 == 0 else settings[::-1]
         for s in order:
-            n, reply, receive, gil, done = s
-            res = run_one(args.device, n, args.rounds, _spin(reply), _spin(receive), gil, _spin(done))
+            n, reply, receive, gil, done, switch = s
+            res = run_one(args.device, n, args.rounds, _spin(reply), _spin(receive), gil, _spin(done), _spin(switch))
             runs[s].append(res)
-            print(f"clients {n:>2} reply_spin {reply:>4} receive_spin {receive:>4} driver_gil {gil:>7} completion_spin {done:>4}: "
-                  f"{res['restores_per_s'] or 0:8.1f} restores/s, latency median {res['latency_median_ms']:.3f} ms "
+            print(f"clients {n:>2} reply_spin {reply:>4} receive_spin {receive:>4} driver_gil {gil:>7} completion_spin {done:>4} "
+                  f"switch {switch:>6}: {res['restores_per_s'] or 0:8.1f} restores/s, latency median {res['latency_median_ms']:.3f} ms "
                   f"p90 {res['latency_p90_ms']:.3f} ms, first {res['first_restore_median_ms']:.2f} ms, "
                   f"errors {res['errors']}, baseline {res['memory_back_to_baseline']}, service CPU "
                   f"{res['service_cpu_s']:.2f} s over {res['wall_s']:.2f} s ({res['service_threads']} threads; "
@@ -161,15 +165,15 @@ def main() -> None:
     print("medians per setting:")
     summary = []
     for s in settings:
-        n, reply, receive, gil, done = s
+        n, reply, receive, gil, done, switch = s
         rates = [x["restores_per_s"] or 0.0 for x in runs[s]]
         lats = [x["latency_median_ms"] for x in runs[s]]
-        summary.append({"clients": n, "reply_spin": reply, "receive_spin": receive, "driver_gil": gil, "completion_spin": done,
+        summary.append({"clients": n, "reply_spin": reply, "receive_spin": receive, "driver_gil": gil, "completion_spin": done, "switch_interval": switch,
                         "restores_per_s": statistics.median(rates), "latency_median_ms": statistics.median(lats),
                         "errors": sum(x["errors"] for x in runs[s]),
                         "memory_back_to_baseline": all(x["memory_back_to_baseline"] for x in runs[s])})
         print(f"  clients {n:>2} reply_spin {reply:>4} receive_spin {receive:>4} driver_gil {gil:>7} "
-              f"completion_spin {done:>4}: "
+              f"completion_spin {done:>4} switch {switch:>6}: "
               f"{summary[-1]['restores_per_s']:8.1f} restores/s, latency {summary[-1]['latency_median_ms']:.3f} ms")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 from kmesh_gpu.errors import ServiceError
@@ -12,9 +13,16 @@ from kmesh_gpu.errors import ServiceError
 from .server import ServiceConfig, _Service
 
 
+def _apply_process_settings(config: ServiceConfig) -> None:
+    """What a service process sets for itself (an in-process ``_Service`` leaves its host alone)."""
+    if config.switch_interval_s is not None:
+        sys.setswitchinterval(config.switch_interval_s)
+
+
 def _service_process_main(config: ServiceConfig, ready, stop) -> None:
     """Entry point of the spawned service process."""
     try:
+        _apply_process_settings(config)
         service = _Service(config)
         service.start()
     except BaseException as exc:
@@ -32,6 +40,7 @@ def run_foreground(config: ServiceConfig, *, on_ready=None) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        _apply_process_settings(config)
         service = _Service(config)
         service.start()
         if on_ready is not None:

@@ -94,6 +94,9 @@ class ServiceConfig:
             on the way in: a client that restores back to back sends its next request within about
             a millisecond). ``None``: 2 ms where the machine has cores to spare
             (:func:`.protocol.spin_default`), else 0.
+        switch_interval_s: the service process's ``sys.setswitchinterval`` (``None``: Python's
+            default, 5 ms): how long a thread waiting for the GIL lets the holder run before it
+            asks for it. Applied by ``kmesh serve`` and :class:`.CacheService`'s process only.
     """
 
     socket_path: str
@@ -109,6 +112,7 @@ class ServiceConfig:
     allow_fault_injection: bool = False
     completion_spin_s: float = 2e-3
     receive_spin_s: float | None = None
+    switch_interval_s: float | None = None
 
 
 class InjectedFault(KmeshError):
@@ -515,7 +519,7 @@ class _Service:
                "socket": self.config.socket_path, "cuda": self.cuda, "connections": connections,
                "fault_injection": self.config.allow_fault_injection, "counters": counters,
                "sources": {**self.sources.stats(), **self.device_originals.stats()},
-               "open_ipc_mappings": len(self.device_mappings), **snap}
+               "open_ipc_mappings": len(self.device_mappings), "switch_interval_s": sys.getswitchinterval(), **snap}
         if self.cuda and torch.cuda.is_initialized():
             out["device_memory_allocated"] = torch.cuda.memory_allocated()
         return out, b""

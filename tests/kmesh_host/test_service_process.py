@@ -266,3 +266,17 @@ def test_restore_timings_are_opt_in_and_ordered(client, cache, layout, request):
     assert order == sorted(order)
     assert c["built"] <= c["sent"] <= c["received"]
     assert client.close_registration(reg) is True
+
+
+def test_switch_interval_is_set_in_the_service_process_only():
+    """``ServiceConfig.switch_interval_s`` is applied by the service's own process (status reports
+    it); the process that started the service keeps its own."""
+    mine = sys.getswitchinterval()
+    with socket_dir() as d:
+        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), switch_interval_s=0.025)
+        with CacheService(cfg) as svc, CacheClient(svc.socket_path) as c:
+            assert c.status()["switch_interval_s"] == pytest.approx(0.025)
+        cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"))
+        with CacheService(cfg) as svc, CacheClient(svc.socket_path) as c:
+            assert c.status()["switch_interval_s"] == pytest.approx(mine)
+    assert sys.getswitchinterval() == mine
