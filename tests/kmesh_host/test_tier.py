@@ -6,7 +6,6 @@ import errno
 import fcntl
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -15,8 +14,6 @@ import kmesh_host.store as store_mod
 from kmesh_host import (
     BudgetExceeded,
     FingerprintMismatch,
-    HostTier,
-    HostTierConfig,
     IntegrityError,
     ModelFingerprint,
     SegmentNotFound,
@@ -27,13 +24,8 @@ from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
 from kmesh_host.tier import BufferPool
 from kmesh_gpu.errors import StorageError
 from tests.helpers.io import refuse_o_direct_at_open
+from tests.helpers.tier import FP, OBJ, kv_for, put_segments, tier_for, wait_until
 
-FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
-OBJ = 8192  # padded payload of one test segment: (2, 2, 64, 2, 8) bf16 = 8192 bytes
-
-
-def kv_for(seed, T=64):
-    return torch.randn((2, 2, T, 2, 8), generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 @pytest.fixture
@@ -43,22 +35,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def keys(store):
-    return [store.put(kv_for(i), torch.arange(64), torch.arange(64), model_fingerprint=FP) for i in range(4)]
-
-
-def tier_for(store, **kw):
-    kw.setdefault("pin", False)
-    kw.setdefault("read_threads", 2)
-    kw.setdefault("chunk_bytes", 4096)
-    return HostTier(store, HostTierConfig(**kw))
-
-
-def wait_until(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+    return put_segments(store, 4)
 
 
 # ------------------------------------------------------------------ singleflight

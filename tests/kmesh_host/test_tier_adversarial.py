@@ -33,7 +33,6 @@ from kmesh_gpu.errors import StorageError
 from kmesh_host import (
     BudgetExceeded,
     FingerprintMismatch,
-    HostTier,
     HostTierConfig,
     IntegrityError,
     KmeshError,
@@ -48,28 +47,13 @@ from kmesh_host import (
     uring,
 )
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine, round_up
+from tests.helpers.tier import FP, OBJ, OTHER_FP, kv_for, tier_for, wait_until
 
 HAVE_URING = uring.available()[0]
 ENGINES = ["threads", "io_uring"] if HAVE_URING else ["threads"]
 
-FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
-OTHER_FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
-OBJ = 8192  # padded payload of a T=64 segment: (2, 2, 64, 2, 8) bf16
-
-
-def kv_for(seed: int, T: int = 64) -> torch.Tensor:
-    return torch.randn((2, 2, T, 2, 8), generator=torch.Generator().manual_seed(seed)).bfloat16()
-
-
 def put(store: SegmentStore, seed: int, T: int = 64, fp: ModelFingerprint = FP) -> str:
     return store.put(kv_for(seed, T), torch.arange(T), torch.arange(T), model_fingerprint=fp)
-
-
-def tier_for(store, **kw) -> HostTier:
-    kw.setdefault("pin", False)
-    kw.setdefault("read_threads", 2)
-    kw.setdefault("chunk_bytes", 4096)
-    return HostTier(store, HostTierConfig(**kw))
 
 
 def flip_payload_byte(store: SegmentStore, key: str, at: int) -> None:
@@ -87,14 +71,6 @@ def open_fds() -> set[str]:
 
 def kmesh_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("kmesh-")]
-
-
-def wait_until(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
 
 
 def join_all(threads, timeout=30.0):
@@ -566,11 +542,8 @@ def _gate_header(monkeypatch, tier, waiters, *, fail=None):
     monkeypatch.setattr(tier.store, "read_header", gated)
 
 
-def test_tier_leader_base_exception_fails_joiners_and_leaks_nothing(tmp_path, monkeypatch):
-    store = SegmentStore(tmp_path / "s")
-    key = put(store, 0)
-    tier = tier_for(store)
-    _gate_header(monkeypatch, tier, 4, fail=Cancelled("load cancelled"))
+def acquire_from_threads(tier, key: str, n: int) -> list:
+    """``n`` threads each acquire ``key`` and release it; returns what they raised."""
     errors = []
 
     def call():
@@ -579,10 +552,19 @@ def test_tier_leader_base_exception_fails_joiners_and_leaks_nothing(tmp_path, mo
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=call) for _ in range(5)]
+    threads = [threading.Thread(target=call) for _ in range(n)]
     for t in threads:
         t.start()
     join_all(threads, timeout=10)
+    return errors
+
+
+def test_tier_leader_base_exception_fails_joiners_and_leaks_nothing(tmp_path, monkeypatch):
+    store = SegmentStore(tmp_path / "s")
+    key = put(store, 0)
+    tier = tier_for(store)
+    _gate_header(monkeypatch, tier, 4, fail=Cancelled("load cancelled"))
+    errors = acquire_from_threads(tier, key, 5)
     assert len(errors) == 5 and all(isinstance(e, Cancelled) for e in errors)
     assert tier.in_flight() == 0 and tier.pool.in_use_bytes == 0 and key not in tier
     with tier.acquire(key, model_fingerprint=FP) as lease:  # a retry reads afresh
@@ -606,18 +588,7 @@ def test_retry_after_a_failed_read_does_a_new_read(tmp_path, monkeypatch, engine
 
     monkeypatch.setattr(tier._engine, "_read", failing)
     _gate_header(monkeypatch, tier, 3)
-    errors = []
-
-    def call():
-        try:
-            tier.acquire(key, model_fingerprint=FP).release()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=10)
+    errors = acquire_from_threads(tier, key, 4)
     assert len(errors) == 4 and all(isinstance(e, StorageError) and key in str(e) for e in errors)
     assert tier.stats["failures"] == 1 and tier.in_flight() == 0 and tier.pool.in_use_bytes == 0
     fail["on"] = False

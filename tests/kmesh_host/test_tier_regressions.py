@@ -15,27 +15,18 @@ import threading
 import time
 
 import pytest
-import torch
 
 from kmesh_host import (
     FingerprintMismatch,
-    HostTier,
-    HostTierConfig,
     KmeshError,
-    ModelFingerprint,
     RestoreTarget,
     SegmentStore,
     restore_host_staging,
     uring,
 )
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
+from tests.helpers.tier import FP, OTHER_FP, put_segments, tier_for, wait_until
 
-FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
-OTHER_FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
-
-
-def kv_for(seed, T=64):
-    return torch.randn((2, 2, T, 2, 8), generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 @pytest.fixture
@@ -45,22 +36,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def keys(store):
-    return [store.put(kv_for(i), torch.arange(64), torch.arange(64), model_fingerprint=FP) for i in range(3)]
-
-
-def tier_for(store, **kw):
-    kw.setdefault("pin", False)
-    kw.setdefault("read_threads", 2)
-    kw.setdefault("chunk_bytes", 4096)
-    return HostTier(store, HostTierConfig(**kw))
-
-
-def wait_until(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+    return put_segments(store, 3)
 
 
 def unstick(tier):
