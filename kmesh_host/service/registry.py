@@ -254,8 +254,14 @@ class Registry:
                     del self._live_handles[reg.handle_key]
                 self._retired[reg.reg_id] = reason
                 to_release.append(reg)
-        for reg in to_release:
-            self._release_memory(reg)
+        errors = []
+        for reg in to_release:  # each one, whatever the others' releases did
+            try:
+                self._release_memory(reg)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # ------------------------------------------------------------------ bounds
     @staticmethod
@@ -402,14 +408,20 @@ class Registry:
         """:meth:`drain` of a single operation (a synchronous request's own), without the list."""
         if op.state == OP_DRAINED:
             return
+        deadline = None if timeout is None else self._now() + timeout
         if not op.wait_submitted(timeout):
             with self._lock:
                 op.wait_failures += 1
             raise DrainError(f"operation {op.op_id}: still being submitted; its buffers stay held")
         if op.state == OP_DRAINED:
             return
+        completion = op.completion
+        if completion is None:  # nothing was submitted: submitted() releases it (idempotent)
+            self._release(op)
+            return
+        left = None if deadline is None else max(0.0, deadline - self._now())  # one timeout for both waits
         try:
-            finished = op.completion.wait(timeout)
+            finished = completion.wait(left)
         except Exception as exc:  # any failure of the wait itself: nothing is known about the work
             with self._lock:
                 op.wait_failures += 1
@@ -474,12 +486,20 @@ class Registry:
             waiting = [r for r in self._regs.values() if r.state in (REG_CLOSING, REG_ORPHANED)]
             ops = [op for r in waiting for op in r.ops.values()]
             idle = [r for r in waiting if not r.ops]
-        self._free(idle)
+        failures = []
+        try:
+            self._free(idle)
+        except Exception as exc:
+            failures.append(exc)
         for op in ops:
             try:
                 self.drain_one(op, timeout)
             except DrainError:
                 pass
+            except Exception as exc:  # a callback or release failed: the op is released all the same
+                failures.append(exc)
+        if failures:  # after the whole pass
+            raise failures[0]
         with self._lock:
             return [r for r in self._regs.values() if r.state in (REG_CLOSING, REG_ORPHANED)]
 

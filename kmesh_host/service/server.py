@@ -198,7 +198,12 @@ class _Service:
         for reg in self.registry.registrations():
             self.registry.close(reg)
         deadline = time.monotonic() + self.config.shutdown_drain_s
-        while self.registry.reap(timeout=0.05) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            try:
+                if not self.registry.reap(timeout=0.05):
+                    break
+            except Exception:  # reported; the pass went on for the others, and so do we
+                traceback.print_exc(file=sys.stderr)
             time.sleep(0.01)
         left = self.registry.registrations()
         if left:
@@ -240,7 +245,10 @@ class _Service:
     def _reap_loop(self) -> None:
         name_native_thread("kmesh-reaper")
         while not self._stop.wait(self.config.reap_interval_s):
-            self.registry.reap(timeout=0.0)
+            try:
+                self.registry.reap(timeout=0.0)
+            except Exception:  # one registration's failure must not stop reaping for every client
+                traceback.print_exc(file=sys.stderr)
 
     def _release_memory(self, reg) -> None:
         reg.memory.close()
