@@ -699,7 +699,12 @@ def _finish_report(result: RestoreResult, tier: HostTier, sources: dict, o_direc
                           "in object order (no thread per object)"}
     dst = "cudaMemcpyAsync H2D on a copy stream" if device.type == "cuda" else "host memcpy (no GPU)"
     staging = "pinned host RAM" if tier.pin else "pageable host RAM"
-    if sources.get("read"):
+    if sources.get("read") and not tier.store.local:
+        report.facts["io"] = {"engine": "pyarrow.fs", "filesystem": tier.store.filesystem.type_name,
+                              "submission": "one read per object on the tier's loader threads"}
+        report.mechanism = (f"reads through pyarrow.fs ({tier.store.filesystem.type_name}), one per object "
+                            f"-> {staging} -> {dst}, one copy per object")
+    elif sources.get("read"):
         how = "O_DIRECT reads" if report.o_direct else "page-cache reads (O_DIRECT unavailable)"
         report.mechanism = (f"{how} through {engine.description}, {cfg.chunk_bytes >> 10} KiB chunks "
                             f"-> {staging} -> {dst}, chunked as reads land")

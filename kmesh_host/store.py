@@ -71,7 +71,7 @@ class SegmentStore:
         self.local = isinstance(filesystem, pafs.LocalFileSystem)
         self.root = str(root).rstrip("/") or "/"
         self.chunk_size = chunk_size
-        self._dir = f"{self.root}/segments"
+        self._dir = f"{self.root.rstrip('/')}/segments"  # root "/" (or ""): "/segments", never "//segments"
         if self.local:
             os.makedirs(self._dir, exist_ok=True)
         else:
@@ -138,15 +138,33 @@ class SegmentStore:
         fs = self.filesystem
         atomic_put = fs.type_name in _ATOMIC_PUT_FILESYSTEMS
         target = path if atomic_put else tmp
+        moving = False
         try:
             fs.create_dir(directory, recursive=True)
             with fs.open_output_stream(target) as out:
                 out.write(data)
             if not atomic_put:
+                moving = True
                 fs.move(tmp, path)
-        except (OSError, pa.ArrowException) as exc:
-            self._remove_quietly(target)
-            raise StorageError(f"writing {path} failed: {exc}") from exc
+        except BaseException as exc:
+            if not atomic_put:
+                self._remove_quietly(tmp)
+            if atomic_put or moving:
+                # The final name may hold a complete copy by a concurrent writer of this key (keep
+                # it), or what this failed PUT / non-atomic move left there (remove it).
+                if not self._holds(path, data):
+                    self._remove_quietly(path)
+            if isinstance(exc, (OSError, pa.ArrowException)):
+                raise StorageError(f"writing {path} failed: {exc}") from exc
+            raise
+
+    def _holds(self, path: str, data: pa.Buffer) -> bool:
+        """Whether the file at ``path`` (on a pyarrow filesystem) is exactly ``data``."""
+        try:
+            with self.filesystem.open_input_file(path) as f:
+                return f.size() == data.size and f.read_buffer().equals(data)
+        except (OSError, pa.ArrowException):
+            return False
 
     def _write_local(self, directory: str, tmp: str, path: str, data: pa.Buffer) -> None:
         fd = -1
@@ -201,6 +219,12 @@ class SegmentStore:
                 except BaseException:
                     os.close(fd)
                     raise
+            # A FIFO (or device) at the path must not block the open: only regular files are opened.
+            kind = self.filesystem.get_file_info(path).type
+            if kind == pafs.FileType.NotFound:
+                raise FileNotFoundError(path)
+            if kind != pafs.FileType.File:
+                raise IntegrityError(f"segment {key}: {path} is not a regular file")
             return _ArrowRandomAccess(self.filesystem.open_input_file(path), key)
         except FileNotFoundError as exc:
             raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
@@ -275,7 +299,10 @@ class SegmentStore:
         path = self.path(key)
         if self.local:
             return os.path.exists(path)
-        return self.filesystem.get_file_info(path).type == pafs.FileType.File
+        try:
+            return self.filesystem.get_file_info(path).type == pafs.FileType.File
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(f"segment {key}: cannot look up {path}: {exc}") from exc
 
     # ------------------------------------------------------------------ delete / list
     def delete(self, key: str, *, missing_ok: bool = False) -> None:
@@ -309,9 +336,10 @@ class SegmentStore:
                     out += [e.name[: -len(SUFFIX)] for e in os.scandir(shard.path)
                             if e.name.endswith(SUFFIX) and e.name.startswith(shard.name) and e.is_file()]
         else:
-            infos = self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True))
-            out = [i.base_name[: -len(SUFFIX)] for i in infos
+            depth = len([c for c in self._dir.split("/") if c]) + 2   # <dir>/<shard>/<key>.arrow, no deeper
+            out = [i.base_name[: -len(SUFFIX)] for i in self._list()
                    if i.type == pafs.FileType.File and i.base_name.endswith(SUFFIX)
+                   and len([c for c in i.path.split("/") if c]) == depth
                    and i.path.rsplit("/", 2)[-2] == i.base_name[:2]]
         return sorted(k for k in out if is_key(k))
 
@@ -328,10 +356,16 @@ class SegmentStore:
                         if e.name.startswith(".") and e.name.endswith(".tmp"):
                             count += self._remove_quietly(e.path)
             return count
-        for i in self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True)):
+        for i in self._list():
             if i.type == pafs.FileType.File and i.base_name.startswith(".") and i.base_name.endswith(".tmp"):
                 count += self._remove_quietly(i.path)
         return count
+
+    def _list(self):
+        try:
+            return self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True))
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(f"{self!r}: listing {self._dir} failed: {exc}") from exc
 
 
 # ---------------------------------------------------------------------- file access helpers
