@@ -11,7 +11,10 @@ see a partial file under a final name.
 
 ``root`` is a local path, a ``file://`` URI or any ``pyarrow.fs`` URI (``s3://...``); local
 filesystems get fsync and O_DIRECT reads, other filesystems go through ``pyarrow.fs`` (on object
-stores a single PUT is already atomic, so the temporary name is skipped there).
+stores a single PUT is already atomic, so the temporary name is skipped there). On a ``pyarrow.fs``
+filesystem whose ``move`` is not atomic (a copy, as some filesystem bindings do it), a reader during
+a write can find a partial file under the final name: the digests refuse it (``IntegrityError``
+naming the key), never wrong data, and a failed move removes what it left there.
 """
 
 from __future__ import annotations
