@@ -37,4 +37,4 @@ def status_main(args) -> int:
         print(json.dumps({"healthy": False, "socket": args.socket, "error": str(exc)}, indent=2))
         return 1
     print(json.dumps(state, indent=2, sort_keys=True))
-    return 0 if state.get("healthy") else 1
+    return 0 if state.get("healthy") is True else 1

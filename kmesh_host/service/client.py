@@ -16,6 +16,8 @@ out of it has physically finished and the service has unmapped it).
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import socket
 import threading
 import time
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from kmesh_gpu import _launch  # driver-level event records
-from kmesh_gpu.errors import LayoutError, OwnershipError, ProtocolError, ServiceError
+from kmesh_gpu.errors import KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import protocol
 from .memory import MemoryHandle, SharedCache, export_cuda
@@ -84,7 +86,10 @@ def _ints(name: str, values) -> list[int]:
             raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
                               f"{list(values.shape)}")
         return values.tolist()
-    return [int(v) for v in values]
+    try:
+        return [operator.index(v) for v in values]  # int() would truncate 0.5 and parse "1"
+    except TypeError as exc:
+        raise LayoutError(f"{name}: expected integers ({exc})") from exc
 
 
 _I8 = np.dtype("<i8")
@@ -104,11 +109,16 @@ def _int64(name: str, values) -> np.ndarray:
         a = values
     else:
         try:
-            a = np.asarray(values, dtype=_I8)
+            a = np.asarray(values)
         except (TypeError, ValueError, OverflowError) as exc:
             raise LayoutError(f"{name}: expected integers ({exc})") from exc
         if a.ndim != 1:
             raise LayoutError(f"{name}: expected a flat sequence of integers, got shape {list(a.shape)}")
+        if a.size == 0:
+            a = a.astype(_I8)
+        elif a.dtype.kind not in "iu" or a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
+            # np.asarray(..., dtype=int64) truncates floats, parses strings and wraps uint64 (2**64-1 -> -1: "skip")
+            raise LayoutError(f"{name}: expected int64 integers, got {a.dtype} values")
     if not a.flags.c_contiguous or a.dtype is not _I8 and a.dtype != _I8:
         a = np.ascontiguousarray(a, dtype=_I8)
     return a
@@ -132,6 +142,8 @@ class CacheClient:
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
                  max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ServiceError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout
@@ -147,7 +159,7 @@ class CacheClient:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(socket_path)
-        except OSError as exc:
+        except (OSError, TypeError, ValueError) as exc:
             self._sock.close()
             raise ServiceError(f"cannot connect to the cache service at {socket_path}: {exc}") from exc
 
@@ -190,25 +202,66 @@ class CacheClient:
                 sent = time.monotonic_ns()
                 spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
                 flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes,
-                                                       frame_timeout=self.timeout, spin_s=spin)
+                                                       frame_timeout=self.timeout, spin_s=spin,
+                                                       deadline=sent / 1e9 + self.timeout)
                 received = time.monotonic_ns()
                 self._last_reply_ns = received - sent
                 if stamps is not None:
                     stamps["sent"], stamps["received"] = sent, received
-            except (OSError, protocol.ConnectionClosed) as exc:
-                raise ServiceError(f"cache service connection lost during {op!r}: {exc}") from exc
+            except BaseException as exc:
+                # a request may be out without its reply read, a frame half sent or half read, or a
+                # frame's boundary lost: a later request could read what is left of this one as its
+                # reply, so the connection is not used again
+                refusal = self._refusal() if isinstance(exc, OSError) else None
+                self._abandon()
+                if refusal is not None:  # the service refused the connection before this request reached it
+                    protocol.raise_for_reply(refusal)
+                if isinstance(exc, (OSError, protocol.ConnectionClosed)):
+                    raise ServiceError(f"cache service connection lost during {op!r}: {exc}") from exc
+                raise
         return rid, flags, buf, body
 
-    @staticmethod
-    def _check_reply(header: dict, rid: int) -> None:
+    def _abandon(self) -> None:
+        """Close the connection after it lost track of its replies (``_lock`` held)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._events.clear()
+
+    def _refusal(self) -> dict | None:
+        """The id-less error reply the service sent before closing a connection it refused (too
+        many connections, another user), if it is already here (``_lock`` held)."""
+        try:
+            self._sock.settimeout(0.0)
+            flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes, frame_timeout=0.0)
+            header = protocol.decode_header(memoryview(buf)[:len(buf) - len(body)])
+        except (OSError, KmeshError):
+            return None
+        if header.get("id") is None and header.get("ok") is False and isinstance(header.get("error"), dict):
+            return header
+        return None
+
+    def _desynchronized(self, message: str) -> ProtocolError:
+        with self._lock:
+            self._abandon()
+        return ProtocolError(f"{message}; connection closed")
+
+    def _check_reply(self, header: dict, rid: int) -> None:
         """Raise a JSON reply's typed error (with the operation id, if any, as ``exc.op_id``)."""
-        if header.get("id") != rid:
-            raise ProtocolError(f"reply id {header.get('id')!r} does not match request {rid}")
+        got = header.get("id")
+        if got is None and header.get("ok") is False and isinstance(header.get("error"), dict):
+            # the service's answer to what it could not take (a refused connection, a frame it could
+            # not parse) has no id: raise it as the service typed it; the service closes the connection
+            with self._lock:
+                self._abandon()
+            protocol.raise_for_reply(header)
+        if type(got) is not int or got != rid:  # (True == 1 and 1.0 == 1 in Python)
+            raise self._desynchronized(f"reply id {got!r} does not match request {rid}")
         try:
             protocol.raise_for_reply(header)
-        except Exception as exc:
-            err = header.get("error") or {}
-            exc.op_id = err.get("op")
+        except KmeshError as exc:
+            err = header.get("error")
+            exc.op_id = err.get("op") if isinstance(err, dict) else None
             raise
 
     def close(self) -> None:
@@ -301,7 +354,8 @@ class CacheClient:
         if rope is not None:
             header["rope"] = rope.to_dict()
         h = self.call(header).header
-        return Registration(h["reg"], h["generation"], h["secret"], layout, handle, tensor)
+        return Registration(protocol.field(h, "reg", int), protocol.field(h, "generation", int),
+                            protocol.field(h, "secret", str), layout, handle, tensor)
 
     def attach(self, reg: Registration) -> None:
         """Use ``reg`` (registered by this process) over this connection too."""
@@ -329,7 +383,11 @@ class CacheClient:
         if secret is None or len(secret) != protocol.SECRET_BYTES:
             raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
         keys, slot_counts, position_counts, arrays, shifts = [], [], [], [], []
-        for i, it in enumerate(items):
+        try:
+            numbered = enumerate(items)
+        except TypeError as exc:
+            raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") from exc
+        for i, it in numbered:
             if type(it) is RestoreItem:
                 key, slots, new_positions = it.key, it.slots, it.new_positions
             elif type(it) is tuple and len(it) == 3:
@@ -337,7 +395,11 @@ class CacheClient:
             elif type(it) is tuple and len(it) == 2:
                 (key, slots), new_positions = it, None
             else:
-                it = it if isinstance(it, RestoreItem) else RestoreItem(*it)
+                try:
+                    it = it if isinstance(it, RestoreItem) else RestoreItem(*it)
+                except TypeError as exc:
+                    raise LayoutError(f"items[{i}]: expected a RestoreItem or (key, slots[, new_positions]), "
+                                      f"got {type(it).__name__}") from exc
                 key, slots, new_positions = it.key, it.slots, it.new_positions
             if type(key) is not str:
                 raise ProtocolError(f"items[{i}].key: expected str, got {type(key).__name__}")
@@ -384,7 +446,7 @@ class CacheClient:
             raise ProtocolError(f"reply to 'restore': JSON success {header!r} where a binary reply was expected")
         reply = protocol.decode_restore_reply(raw, body)
         if reply.request_id != rid:
-            raise ProtocolError(f"reply id {reply.request_id} does not match request {rid}")
+            raise self._desynchronized(f"reply id {reply.request_id} does not match request {rid}")
         if stamps is not None:
             self.last_timings = {"client": stamps, "service": reply.timings or {}}
         return reply.op_id
@@ -399,11 +461,14 @@ class CacheClient:
         header = {"op": "save", **self._auth(reg), "key": key, "tensors": tensors, "wait": wait, "timeout": timeout}
         if inject:
             header["inject"] = inject
-        return int(self._call(header, body, event_for=reg).header["op"])
+        return protocol.field(self._call(header, body, event_for=reg).header, "op", int)
 
     def cancel(self, reg: Registration, op_id: int) -> dict:
         """Discard an operation's result. Its blocks stay held until it has drained."""
         h = dict(self.call({"op": "cancel", **self._auth(reg), "op_id": int(op_id)}).header)
+        missing = [k for k in ("op", "state", "outcome") if k not in h]
+        if missing:
+            raise ProtocolError(f"reply to 'cancel': {missing} missing")
         return {k: h[k] for k in ("op", "state", "outcome")}
 
     def drain(self, reg: Registration, ops=None, *, timeout: float | None = None) -> list[int]:
@@ -411,13 +476,13 @@ class CacheClient:
         header = {"op": "drain", **self._auth(reg), "timeout": timeout}
         if ops is not None:
             header["ops"] = [int(o) for o in ops]
-        return list(self.call(header).header["drained"])
+        return protocol.int_list(self.call(header).header, "drained")
 
     def acquire(self, reg: Registration, blocks, *, timeout: float | None = None) -> list[int]:
         """Wait until no submitted copy can still write ``blocks`` (drains the operations holding
         them); afterwards the client may recompute into them. Returns the drained operation ids."""
         header = {"op": "acquire", **self._auth(reg), "blocks": _ints("blocks", blocks), "timeout": timeout}
-        return list(self.call(header).header["drained"])
+        return protocol.int_list(self.call(header).header, "drained")
 
     def close_registration(self, reg: Registration, *, timeout: float | None = None) -> bool:
         """Stop new work on ``reg`` and wait up to ``timeout`` for its copies. ``True``: the service
@@ -426,4 +491,4 @@ class CacheClient:
         h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
         with self._lock:
             self._events.pop(reg.reg_id, None)
-        return bool(h["freed"])
+        return protocol.field(h, "freed", bool)

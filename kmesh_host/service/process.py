@@ -43,11 +43,13 @@ def run_foreground(config: ServiceConfig, *, on_ready=None) -> int:
         _apply_process_settings(config)
         service = _Service(config)
         service.start()
-        if on_ready is not None:
-            on_ready(service)
-        while not stop.wait(0.5):
-            pass
-        service.stop()
+        try:
+            if on_ready is not None:
+                on_ready(service)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            service.stop()  # drains and removes the socket, after a failure too
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -98,8 +98,9 @@ class Message:
 
 def encode(header: dict, body: bytes | bytearray | memoryview = b"", *,
            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
-    """One JSON frame. Raises :class:`ProtocolError` when the header or body exceeds the limits."""
-    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    """One JSON frame. Raises :class:`ProtocolError` when the header is not JSON or the header or
+    body exceeds the limits."""
+    raw = _json(header, "header")
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header: {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     if len(body) > max_body_bytes:
@@ -107,10 +108,28 @@ def encode(header: dict, body: bytes | bytearray | memoryview = b"", *,
     return PREFIX.pack(MAGIC, VERSION, 0, len(raw), len(body)) + raw + bytes(body)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, got: int) -> None:
+def _before(deadline: float | None, sock: socket.socket) -> None:
+    """With a ``deadline`` (monotonic seconds): the next read may take only the time left."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectionClosed("timed out in the middle of a frame")
+        sock.settimeout(left)
+
+
+def _json(value, what: str) -> bytes:
+    """``value`` as compact UTF-8 JSON; :class:`ProtocolError` for what JSON cannot carry."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
+        raise ProtocolError(f"{what}: not JSON-serialisable ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, got: int, deadline: float | None = None) -> None:
     """Fill ``view`` from byte ``got`` on (a frame has begun: any end of stream is mid-frame)."""
     n = len(view)
     while got < n:
+        _before(deadline, sock)
         try:
             k = sock.recv_into(view[got:], n - got)
         except socket.timeout as exc:
@@ -124,12 +143,13 @@ def _recv_exact(sock: socket.socket, view: memoryview, got: int) -> None:
 PREALLOC_BYTES = 1 << 20
 
 
-def _recv_growing(sock: socket.socket, n: int) -> bytearray:
+def _recv_growing(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     """The next ``n`` bytes (a frame has begun), received in chunks into a buffer that grows with them."""
     buf = bytearray()
     chunk = bytearray(PREALLOC_BYTES)
     view = memoryview(chunk)
     while len(buf) < n:
+        _before(deadline, sock)
         try:
             k = sock.recv_into(view, min(len(chunk), n - len(buf)))
         except socket.timeout as exc:
@@ -175,7 +195,7 @@ def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_wh
 
 def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                frame_timeout: float | None = None, spin_s: float = 0.0,
-               spin_while=None) -> tuple[int, bytearray, memoryview]:
+               spin_while=None, deadline: float | None = None) -> tuple[int, bytearray, memoryview]:
     """Read one frame: ``(flags, buffer, body)``, ``buffer`` being the raw header and the body
     together (``body`` a view of its tail); :func:`decode_header` or :func:`decode_restore` parse it.
 
@@ -184,7 +204,9 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     holds when given), then whatever of the header and body has arrived, without waiting (all of
     it, usually). The socket's timeout is switched to ``frame_timeout`` only when a frame arrives
     in pieces, and put back afterwards. Raises :class:`ConnectionClosed` at end of stream and
-    :class:`FatalFrameError` when the prefix is invalid (the caller must close).
+    :class:`FatalFrameError` when the prefix is invalid (the caller must close). ``deadline``
+    (monotonic seconds; the client's): once the frame has begun no read goes past it, however
+    slowly the frame trickles in (``frame_timeout`` alone bounds each read, not the frame).
     """
     prefix = bytearray(PREFIX.size)
     pview = memoryview(prefix)
@@ -215,7 +237,7 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             if current != frame_timeout:
                 sock.settimeout(frame_timeout)
                 current = frame_timeout
-            _recv_exact(sock, pview, k)
+            _recv_exact(sock, pview, k, deadline)
         magic, version, flags, header_len, body_len = PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise FatalFrameError(f"frame: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
@@ -234,7 +256,7 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             if current != frame_timeout:
                 sock.settimeout(frame_timeout)
                 current = frame_timeout
-            buf = _recv_growing(sock, n)
+            buf = _recv_growing(sock, n, deadline)
             return flags, buf, memoryview(buf)[header_len:]
         buf = bytearray(n)
         view = memoryview(buf)
@@ -248,9 +270,9 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             if current != frame_timeout:
                 sock.settimeout(frame_timeout)
                 current = frame_timeout
-            _recv_exact(sock, view, got)
+            _recv_exact(sock, view, got, deadline)
     finally:
-        if current != idle_timeout:
+        if current != idle_timeout or deadline is not None:
             sock.settimeout(idle_timeout)
     return flags, buf, view[header_len:]
 
@@ -546,7 +568,10 @@ def restore_items(keys, slot_counts, position_counts) -> RestoreItems:
     if len(slot_counts) != n or len(position_counts) != n:
         raise ProtocolError(f"items: {n} keys, {len(slot_counts)} slot counts, {len(position_counts)} "
                             "position counts")
-    raw_keys = [k.encode("utf-8") for k in keys]
+    try:
+        raw_keys = [k.encode("utf-8") for k in keys]
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"items: a key is not valid Unicode ({exc})") from exc
     counts = [-1 if c is None else c for c in position_counts]
     try:
         if max(map(len, raw_keys)) > MAX_KEY_BYTES or min(slot_counts) < 0 or min(counts) < -1:
@@ -588,7 +613,7 @@ def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: byt
     raw_extras = b""
     if model_fingerprint is not None or inject is not None:
         extras = {k: v for k, v in (("model_fingerprint", model_fingerprint), ("inject", inject)) if v is not None}
-        raw_extras = json.dumps(extras, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        raw_extras = _json(extras, "model_fingerprint/inject")
     end = RESTORE_REQUEST.size + len(event) + len(items.raw) + len(raw_extras)
     pad = -end % 8
     header_len = end + pad

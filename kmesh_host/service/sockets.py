@@ -40,7 +40,13 @@ def check_peer(peer: PeerIdentity, service_uid: int) -> None:
 
 def bind_socket(socket_path: str) -> socket.socket:
     prepare_socket_dir(socket_path)
-    if os.path.exists(socket_path):
+    try:
+        mode = os.lstat(socket_path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        raise ServiceError(f"socket {socket_path}: exists and is not a socket (left as it is)")
+    if mode is not None:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(1.0)
