@@ -81,8 +81,11 @@ def _as_data(data) -> torch.Tensor:
         return data
     if not isinstance(data, np.ndarray):
         try:
-            data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        except TypeError:
+            view = memoryview(data)
+            if view.format.lstrip("@=<>!") == "O":   # a numpy object array's pointers, not bytes
+                raise TypeError
+            data = np.frombuffer(view.cast("B"), dtype=np.uint8)
+        except (TypeError, ValueError):
             raise LayoutError(f"data: expected a uint8[M] torch tensor, numpy array or bytes-like, "
                               f"got {_describe(data)}") from None
     if data.dtype != np.uint8 or data.ndim != 1:
@@ -107,7 +110,10 @@ def _as_index(x, name: str) -> np.ndarray:
             return x.numpy()                         # a view: no copy, no extra torch op
         return x.detach().cpu().numpy()              # device offsets: one small download
     if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
-        return np.asarray(x, dtype=np.int64).reshape(-1)
+        try:
+            return np.asarray(x, dtype=np.int64).reshape(-1)
+        except OverflowError:
+            raise LayoutError(f"{name}: a value lies outside int64") from None
     raise LayoutError(f"{name}: expected int64[N] (torch, numpy or a list of ints), got {_describe(x)}")
 
 

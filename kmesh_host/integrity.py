@@ -72,14 +72,33 @@ def _byte_view(payload) -> memoryview:
                               f"(kmesh_gpu.tree_digests hashes device tensors in place)")
         if not payload.is_contiguous():
             raise LayoutError("payload: expected a contiguous tensor (its bytes are hashed in memory order)")
+        if payload.is_conj() or payload.is_neg():
+            # the memory holds the unconjugated / unnegated values: hashing it would not be the tensor
+            raise LayoutError("payload: a conjugate or negative view (call resolve_conj()/resolve_neg() first)")
         payload = payload.detach().reshape(-1).view(torch.uint8).numpy()
-    if isinstance(payload, np.ndarray) and not payload.flags.c_contiguous:
-        raise LayoutError("payload: expected a contiguous array (its bytes are hashed in memory order)")
+    if isinstance(payload, np.ndarray):
+        if not payload.flags.c_contiguous:
+            raise LayoutError("payload: expected a contiguous array (its bytes are hashed in memory order)")
+        if payload.dtype.hasobject:
+            raise LayoutError("payload: an object array holds pointers, not values; it has no bytes to hash")
+        payload = payload.reshape(-1).view(np.uint8)     # any shape (empty ones too), any fixed-size dtype
     try:
-        return memoryview(payload).cast("B")
-    except TypeError:
+        view = memoryview(payload)
+        flat = view.cast("B") if view.nbytes else memoryview(b"")
+    except (TypeError, ValueError):
         raise LayoutError(f"payload: expected a bytes-like object, numpy array or CPU tensor, "
                           f"got {type(payload).__name__}") from None
+    if "O" in view.format and _holds_objects(view):
+        raise LayoutError("payload: a buffer of Python object pointers has no bytes to hash")
+    return flat
+
+
+def _holds_objects(view: memoryview) -> bool:
+    """Whether a buffer's items are PyObject pointers (a memoryview of a numpy object array)."""
+    try:
+        return np.asarray(view).dtype.hasobject
+    except (TypeError, ValueError, NotImplementedError):
+        return False
 
 
 def sha256(payload) -> bytes:
@@ -192,9 +211,9 @@ def tree_digest(payload, *, leaf_size: int = DEFAULT_LEAF_SIZE, fanout: int = DE
     view = _byte_view(payload)
     length = view.nbytes
     n_leaves = max(1, -(-length // leaf_size))
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise LayoutError(f"threads: expected an int >= 1, got {threads!r}")
     workers = threads if threads is not None else (os.cpu_count() or 1)
-    if workers < 1:
-        raise LayoutError(f"threads: expected >= 1, got {threads}")
     pool = ThreadPoolExecutor(workers) if workers > 1 and n_leaves >= _PARALLEL_MIN_PIECES else None
     try:
         level = _level(view, leaf_size, n_leaves, pool, workers)

@@ -57,7 +57,7 @@ import torch
 
 from kmesh_gpu.errors import FingerprintMismatch, IntegrityError, LayoutError
 
-from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, check_tree_params, sha256, tree_digest
+from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, _byte_view, check_tree_params, sha256, tree_digest
 
 FORMAT_NAME = "kmesh-segment"
 FORMAT_VERSION = 1
@@ -91,7 +91,12 @@ def dtype_name(dtype) -> str:
 def _canonical(value) -> Any:
     """JSON-able, order-independent form of a RoPE description value."""
     if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        out: dict = {}
+        for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+            if str(k) in out:  # e.g. 1 and "1": one value would be lost, which one by insertion order
+                raise LayoutError(f"rope: two keys read {str(k)!r} once stored as strings")
+            out[str(k)] = _canonical(v)
+        return out
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     if isinstance(value, (bool, int, str)) or value is None:
@@ -144,6 +149,10 @@ class ModelFingerprint:
     def __post_init__(self):
         if not isinstance(self.architecture, str) or not self.architecture:
             raise LayoutError(f"architecture: expected a non-empty string, got {self.architecture!r}")
+        try:
+            self.architecture.encode("utf-8")  # stored as an Arrow (UTF-8) string
+        except UnicodeEncodeError:
+            raise LayoutError(f"architecture: not encodable as UTF-8: {self.architecture!r}") from None
         for name in ("num_layers", "num_kv_heads", "head_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
@@ -155,7 +164,10 @@ class ModelFingerprint:
             rope = _thaw(rope) if rope else {}
         if not isinstance(rope, Mapping):
             raise LayoutError(f"rope: expected a mapping describing the RoPE spec, got {type(rope).__name__}")
-        object.__setattr__(self, "rope", _freeze(_canonical(rope)))
+        try:
+            object.__setattr__(self, "rope", _freeze(_canonical(rope)))
+        except RecursionError:
+            raise LayoutError("rope: nested too deeply") from None
 
     def rope_dict(self) -> dict:
         return _thaw(self.rope) if self.rope else {}
@@ -167,9 +179,12 @@ class ModelFingerprint:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ModelFingerprint":
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"model_fingerprint: expected a mapping, got {type(d).__name__}")
         try:
+            rope = d.get("rope")
             return cls(d["architecture"], d["num_layers"], d["num_kv_heads"], d["head_size"], d["dtype"],
-                       d.get("rope") or {})
+                       {} if rope is None else rope)
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"model_fingerprint: malformed description {dict(d)!r}: {exc}") from exc
 
@@ -291,7 +306,12 @@ def is_key(key) -> bool:
 
 # ----------------------------------------------------------------------------------- encode
 def _as_int64_vector(name: str, value, n: int) -> np.ndarray:
-    t = torch.as_tensor(value)
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))  # same values, native byte order
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise LayoutError(f"{name}: expected int64[T={n}], got {type(value).__name__} ({exc})") from None
     if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 or t.numel() != n:
         raise LayoutError(f"{name}: expected int64[T={n}], got {str(t.dtype).removeprefix('torch.')}"
                           f"{list(t.shape)}")
@@ -340,7 +360,8 @@ def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint:
     """
     if not isinstance(model_fingerprint, ModelFingerprint):
         raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
-    if chunk_size < 512 or chunk_size & (chunk_size - 1) or chunk_size > PAYLOAD_ALIGNMENT * 256:
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 512
+            or chunk_size & (chunk_size - 1) or chunk_size > PAYLOAD_ALIGNMENT * 256):
         raise LayoutError(f"chunk_size: expected a power of two in [512, 1 MiB], got {chunk_size}")
     kv = _check_kv(kv, model_fingerprint)
     T = kv.shape[2]
@@ -556,7 +577,8 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
 def check_fingerprint(header: SegmentHeader, model_fingerprint: ModelFingerprint) -> None:
     # the fingerprint object this header last passed with (fingerprints are immutable): a
     # restore's resident objects are checked on every call, by the same caller's object
-    if header.__dict__.get("_fingerprint_passed") is model_fingerprint:
+    passed = header.__dict__.get("_fingerprint_passed")
+    if passed is not None and passed is model_fingerprint:  # never None: a header no fingerprint passed
         return
     if not isinstance(model_fingerprint, ModelFingerprint):
         raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
@@ -568,7 +590,7 @@ def check_fingerprint(header: SegmentHeader, model_fingerprint: ModelFingerprint
 
 def check_payload(header: SegmentHeader, payload, *, sha: bool = True, tree: bool = False) -> None:
     """Check the padded payload bytes on the host against the header's digests."""
-    view = memoryview(payload).cast("B")
+    view = _byte_view(payload)  # bytes-like, numpy or CPU tensor; LayoutError for anything else
     if view.nbytes != header.padded_length:
         raise _fail(header.key, f"payload is {view.nbytes} bytes, expected {header.padded_length}")
     if sha and sha256(view) != header.sha256:
