@@ -468,7 +468,7 @@ class Registry:
         holds: dict[str, int] = {}
         for reg in self._regs.values():
             for op in reg.ops.values():
-                for key in op.sources:
+                for key in set(op.sources):  # an operation naming a key twice holds it once
                     holds[key] = holds.get(key, 0) + 1
         return holds
 

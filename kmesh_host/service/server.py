@@ -307,9 +307,15 @@ class _Service:
 
     def _send(self, conn, header: dict, body: bytes = b"") -> bool:
         try:
-            protocol.send_message(conn, header, body, max_body_bytes=self.config.max_body_bytes)
+            frame = protocol.encode(header, body, max_body_bytes=self.config.max_body_bytes)
+        except ProtocolError as exc:  # a reply that cannot be framed: a typed error, the connection kept
+            self._count("errors")
+            rid = header.get("id")
+            frame = protocol.encode(protocol.error_reply(rid if type(rid) is int else None, exc))
+        try:
+            conn.sendall(frame)
             return True
-        except (OSError, ProtocolError):
+        except OSError:
             return False
 
     def _count(self, name: str) -> None:
@@ -551,6 +557,10 @@ class _Service:
         tensors = {"kv": seg.kv, "positions": seg.positions}
         if seg.token_ids is not None:
             tensors["token_ids"] = seg.token_ids
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if nbytes > self.config.max_body_bytes:  # an original saved or read from the store may be larger
+            raise ProtocolError(f"key {key!r}: {nbytes} bytes do not fit a reply (max_body_bytes "
+                                f"{self.config.max_body_bytes})")
         descr, payload = protocol.pack_tensors(tensors)
         return {"key": key, "tensors": descr}, payload
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kmesh_gpu.errors import KmeshError, LayoutError, SegmentNotFound
+from kmesh_gpu.errors import FingerprintMismatch, KmeshError, LayoutError, SegmentNotFound
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,14 @@ class SourceSegment:
             keys post-RoPE at ``positions``.
         positions: ``int64[T]``, the positions the keys were rotated for.
         token_ids: ``int64[T]`` or ``None``.
+        fingerprint: the ``ModelFingerprint`` a segment-store original was saved with (``None`` for
+            originals put or saved through the service); a request must name it to be served.
     """
 
     kv: torch.Tensor
     positions: torch.Tensor
     token_ids: torch.Tensor | None = None
+    fingerprint: object = None
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +46,27 @@ class SourceSegment:
     def signature(self) -> tuple:
         """``(shape, dtype)`` of ``kv``, looked up once (a restore checks it for every item)."""
         return tuple(self.kv.shape), self.kv.dtype
+
+
+def _model_fingerprint(model_fingerprint):
+    """A request's model fingerprint (a dict from the wire) as a ``ModelFingerprint``, or ``None``."""
+    if isinstance(model_fingerprint, dict):
+        from kmesh_host import ModelFingerprint
+
+        return ModelFingerprint.from_dict(model_fingerprint)
+    return model_fingerprint
+
+
+def _check_fingerprint(key: str, seg: SourceSegment, model_fingerprint) -> None:
+    """The check the segment store makes, for a store original served from the host tier."""
+    want = seg.fingerprint
+    if want is None:
+        return
+    if model_fingerprint is None:
+        raise KmeshError(f"key {key!r}: reading the segment store needs the request's model_fingerprint")
+    if model_fingerprint != want:
+        diff = "; ".join(want.differences(model_fingerprint)) or "digest differs"
+        raise FingerprintMismatch(f"segment {key}: saved by a different model ({diff})")
 
 
 def check_segment(kv: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> None:
@@ -111,9 +135,12 @@ class HostOriginals(SourceProvider):
     def put(self, key: str, segment: SourceSegment) -> None:
         check_segment(segment.kv, segment.positions, segment.token_ids)
         kv = segment.kv.contiguous()
+        if kv.untyped_storage().nbytes() > kv.numel() * kv.element_size():
+            kv = kv.clone()  # a view of a larger buffer (a store file's image): keep only what is charged
         if self._pin and not kv.is_pinned():
             kv = kv.pin_memory()
-        segment = SourceSegment(kv, segment.positions.clone(), None if segment.token_ids is None else segment.token_ids.clone())
+        segment = SourceSegment(kv, segment.positions.clone(),
+                                None if segment.token_ids is None else segment.token_ids.clone(), segment.fingerprint)
         with self._lock:
             if key in self._items:
                 raise KmeshError(f"key {key!r}: already present; originals are immutable (evict it first)")
@@ -148,13 +175,16 @@ class StoreSource(SourceProvider):
         from kmesh_host import ModelFingerprint
 
         if model_fingerprint is None:
+            if key not in self._store:  # absent: say so (SegmentNotFound), as without a store
+                raise SegmentNotFound(f"key {key!r}: neither in the host tier nor in the segment store")
             raise KmeshError(f"key {key!r}: reading the segment store needs the request's model_fingerprint")
         if isinstance(model_fingerprint, dict):
             model_fingerprint = ModelFingerprint.from_dict(model_fingerprint)
         seg = self._store.get(key, model_fingerprint=model_fingerprint)
         token_ids = getattr(seg, "token_ids", None)
         return SourceSegment(seg.kv, torch.as_tensor(seg.positions, dtype=torch.int64),
-                             None if token_ids is None else torch.as_tensor(token_ids, dtype=torch.int64))
+                             None if token_ids is None else torch.as_tensor(token_ids, dtype=torch.int64),
+                             getattr(seg, "fingerprint", None))
 
     def put(self, key: str, segment: SourceSegment) -> None:
         raise KmeshError("the segment store is read-only through the cache service; save with SegmentStore.put")
@@ -175,10 +205,14 @@ class TieredSource(SourceProvider):
 
     def get(self, key: str, *, model_fingerprint=None) -> SourceSegment:
         try:
-            return self.host.get(key)
+            seg = self.host.get(key)
         except SegmentNotFound:
             if self.store is None:
                 raise
+        else:  # a store original retained here is checked as the store checks it
+            if seg.fingerprint is not None:
+                _check_fingerprint(key, seg, _model_fingerprint(model_fingerprint))
+            return seg
         seg = self.store.get(key, model_fingerprint=model_fingerprint)
         try:
             self.host.put(key, seg)
@@ -189,9 +223,14 @@ class TieredSource(SourceProvider):
     def get_many(self, keys, *, model_fingerprint=None) -> list[SourceSegment]:
         """:meth:`get` for each key (a restore's items); host-tier hits need one lock acquisition."""
         segments = self.host.get_many(keys)
+        wanted = None
         for i, seg in enumerate(segments):
             if seg is None:
                 segments[i] = self.get(keys[i], model_fingerprint=model_fingerprint)
+            elif seg.fingerprint is not None:
+                if wanted is None:
+                    wanted = _model_fingerprint(model_fingerprint)
+                _check_fingerprint(keys[i], seg, wanted)
         return segments
 
     def put(self, key: str, segment: SourceSegment) -> None:
