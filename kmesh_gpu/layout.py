@@ -41,10 +41,12 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_ints(name: str, values, n: int, *, positive: bool = False, nonneg: bool = False) -> tuple[int, ...]:
     try:
+        values = tuple(values)
         out = tuple(int(v) for v in values)
-    except TypeError as exc:
+        whole = all(o == v for o, v in zip(out, values))
+    except (TypeError, ValueError, OverflowError) as exc:
         raise LayoutError(f"{name}: expected {n} integers, got {values!r}") from exc
-    if len(out) != n or any(isinstance(v, bool) for v in values):
+    if len(out) != n or not whole or any(isinstance(v, bool) for v in values):
         raise LayoutError(f"{name}: expected {n} integers, got {values!r}")
     if positive and any(v <= 0 for v in out):
         raise LayoutError(f"{name}: expected positive integers, got {out}")
@@ -104,9 +106,16 @@ class KVLayout:
         last = [s - 1 for s in sizes]
         extent = 1 + max(k_offset + sum(a * b for a, b in zip(last, k_strides)),
                          v_offset + sum(a * b for a, b in zip(last, v_strides)))
+        if extent * storage_dtype(dtype).itemsize >= 1 << 63:  # all index math (and byte addresses) in int64
+            raise LayoutError(f"sizes/strides: the layout addresses {extent} elements, more than int64 byte "
+                              f"offsets reach (sizes={sizes})")
         if physical_shape is None:
             physical_shape = (extent,)
-        physical_shape = tuple(int(s) for s in physical_shape)
+        try:
+            rank = len(tuple(physical_shape))
+        except TypeError as exc:
+            raise LayoutError(f"physical_shape: expected a tuple of positive integers, got {physical_shape!r}") from exc
+        physical_shape = _check_ints("physical_shape", physical_shape, rank, positive=True)
         if math.prod(physical_shape) < extent:
             raise LayoutError(f"physical_shape: {physical_shape} holds {math.prod(physical_shape)} elements, "
                               f"the strides address {extent}")
@@ -335,6 +344,32 @@ class KVLayout:
                     raise LayoutError(f"strides: axes overlap within K or V (k_strides={self.k_strides}, "
                                       f"v_strides={self.v_strides}, sizes={self.sizes})")
                 span = s * n
-        k_lo, v_lo = self.k_offset, self.v_offset
-        if k_lo == v_lo:
-            raise LayoutError("k_offset/v_offset: K and V start at the same element")
+        # ... and K must not meet V. Axes along which K and V step alike are shared; the others
+        # (vLLM's CPU planes: K transposed) span an inner tile, enumerated; the shared axes must then
+        # step over the tile (with equal strides the tile is the two offsets: one axis of size 2).
+        shared = [(s, n) for s, t, n in zip(self.k_strides, self.v_strides, self.sizes) if n > 1 and s == t]
+        inner = [i for i, (s, t, n) in enumerate(zip(self.k_strides, self.v_strides, self.sizes)) if n > 1 and s != t]
+        if not inner:
+            axes, span = sorted(shared + [(abs(self.v_offset - self.k_offset), 2)]), 1
+        else:
+            tile = math.prod(self.sizes[i] for i in inner)
+            if tile > (1 << 22):
+                raise LayoutError(f"strides: cannot prove K and V disjoint (k_strides={self.k_strides}, "
+                                  f"v_strides={self.v_strides}, sizes={self.sizes})")
+            offs = []
+            for st, off in ((self.k_strides, self.k_offset), (self.v_strides, self.v_offset)):
+                idx = torch.full((), off, dtype=torch.int64)
+                for i in inner:
+                    idx = idx.unsqueeze(-1) + torch.arange(self.sizes[i], dtype=torch.int64) * st[i]
+                offs.append(idx.reshape(-1))
+            allo = torch.cat(offs)
+            if torch.unique(allo).numel() != allo.numel():
+                raise LayoutError(f"strides: K/V addresses overlap (k_strides={self.k_strides}, "
+                                  f"v_strides={self.v_strides}, k_offset={self.k_offset}, v_offset={self.v_offset})")
+            axes, span = sorted(shared), int(allo.max() - allo.min()) + 1
+        for s, n in axes:
+            if s < span:
+                raise LayoutError(f"strides: K/V addresses overlap or cannot be proven disjoint (sizes={self.sizes}, "
+                                  f"k_strides={self.k_strides}, v_strides={self.v_strides}, "
+                                  f"k_offset={self.k_offset}, v_offset={self.v_offset})")
+            span = s * n

@@ -34,6 +34,46 @@ def _fmt(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
 
 
+def _inside(t: torch.Tensor, layout: KVLayout, per_layer: bool) -> bool:
+    """Every element ``layout`` addresses from ``t``'s first element is an element of ``t``.
+
+    A dense tensor (contiguous, or a permutation of a contiguous one) holds every element of its
+    span. Otherwise (a strided view, e.g. vLLM's per-layer views of an interleaved buffer) each
+    layout axis must step along one dimension of ``t`` by a whole number of its elements and stay
+    inside it (a sufficient condition: no address carries into another dimension)."""
+    dims = sorted(((st, n) for n, st in zip(t.shape, t.stride()) if n > 1 and st != 0), reverse=True)
+    expect = 1
+    for st, n in reversed(dims):
+        if st != expect:
+            break
+        expect *= n
+    else:
+        return True
+    first = 1 if per_layer else 0
+    for strides, offset in ((layout.k_strides, layout.k_offset), (layout.v_strides, layout.v_offset)):
+        use, rest = [], offset
+        for st, n in dims:
+            d = min(rest // st, n - 1)
+            use.append(d)
+            rest -= d * st
+        if rest:
+            return False
+        for s, n in zip(strides[first:], layout.sizes[first:]):
+            if n == 1:
+                continue
+            for i, (st, _) in enumerate(dims):
+                if st <= s:
+                    if s % st:
+                        return False
+                    use[i] += (n - 1) * (s // st)
+                    break
+            else:
+                return False
+        if any(u >= n for u, (_, n) in zip(use, dims)):
+            return False
+    return True
+
+
 def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor], bool]:
     """Flat element views of ``cache`` (one tensor, or a list of L per-layer tensors)."""
     if isinstance(cache, torch.Tensor):
@@ -64,6 +104,11 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
         if avail < extent:
             raise LayoutError(f"{label}: the layout addresses {extent} elements from its start, the tensor "
                               f"spans {avail} ({_fmt(t)}, layout {layout.name} sizes={layout.sizes})")
+        # ... and hold every element it addresses: a strided view (every other layer, a slice of
+        # a larger cache's blocks) spans enough memory but writes would land between its elements.
+        if not _inside(t, layout, per_layer):
+            raise LayoutError(f"{label}: the layout addresses elements that are not elements of the tensor "
+                              f"({_fmt(t)}, strides {tuple(t.stride())}; layout {layout.name} sizes={layout.sizes})")
         flats.append(t.view(want).as_strided((extent,), (1,)))
     return flats, per_layer
 
@@ -71,8 +116,9 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
 def _index(name: str, x, n: int) -> torch.Tensor:
     """Validate an int64[n] index tensor's type and shape (values are checked later, for all items
     at once, where the indices live)."""
-    if not isinstance(x, torch.Tensor):
-        raise LayoutError(f"{name}: expected a torch int64[{n}] tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.is_meta:
+        raise LayoutError(f"{name}: expected a torch int64[{n}] tensor with values, got "
+                          f"{'a meta tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
     if x.dtype != torch.int64 or x.dim() != 1 or x.shape[0] != n:
         raise LayoutError(f"{name}: expected int64[{n}], got {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
     return x
@@ -246,7 +292,10 @@ def _check_values(items: list[_Item], layout: KVLayout, rope, all_slots, all_old
 def _k_scale(k_scale, L: int) -> torch.Tensor:
     if k_scale is None:
         return torch.ones(L, dtype=torch.float32)
-    s = torch.as_tensor(k_scale, dtype=torch.float32).flatten().cpu()
+    try:
+        s = torch.as_tensor(k_scale, dtype=torch.float32).flatten().cpu()
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise LayoutError(f"k_scale: expected a positive finite float or float32[L={L}], got {k_scale!r}") from exc
     if s.numel() == 1:
         s = s.expand(L).clone()
     if s.numel() != L or not bool(torch.all(torch.isfinite(s) & (s > 0))):
@@ -663,6 +712,9 @@ def prepare_place_many(kvs, caches, layout: KVLayout, slots, *, rope=None, old_p
     devices, the cache's extent, position ranges) is still validated. A wrong promise lets the
     launch write outside the cache, so nothing public passes it.
     """
+    for name, seq in (("kvs", kvs), ("caches", caches), ("slots", slots)):
+        if not isinstance(seq, (Sequence, torch.Tensor)) or isinstance(seq, (str, bytes)):
+            raise LayoutError(f"{name}: expected a list, got {type(seq).__name__}")
     n = len(kvs)
     one = isinstance(caches, torch.Tensor)
     if one:
@@ -742,8 +794,17 @@ def gather(cache, layout: KVLayout, slots: torch.Tensor, *, backend: str = "auto
     if T < 0:
         raise LayoutError(f"slots: expected int64[T], got {slots!r}")
     L, _, H, _, D = layout.sizes
+    given = out is not None
     if out is None:
         out = torch.zeros((2, L, T, H, D), dtype=layout.dtype, device=device)
+    else:
+        _check_kv("out", out, layout, device)
+        if out.shape[2] != T:
+            raise LayoutError(f"out: expected (2, L, T={T}, H, D) for {T} slots, got {_fmt(out)}")
     items, views, device, _ = _prepare([out], [cache], layout, [slots], None, None, None, None, gather=True)
+    if given:  # skipped tokens come back as zeros, as with a new tensor
+        skipped = np.flatnonzero(items[0].slots < 0)
+        if skipped.size:
+            items[0].kv.index_fill_(2, torch.from_numpy(skipped).to(out.device), 0)
     _Launch(items, views, layout, device, None, None, backend, gather=True).run()
     return out

@@ -55,8 +55,20 @@ def _freeze_scaling(scaling) -> tuple[tuple[str, object], ...] | None:
     if missing:
         raise LayoutError(f"scaling: rope_type {kind!r} needs {missing}")
     keep = {k: scaling[k] for k in _REQUIRED[kind] + _OPTIONAL.get(kind, ()) if k in scaling}
-    if float(keep["factor"]) <= 0:
-        raise LayoutError(f"scaling: factor must be positive, got {keep['factor']}")
+    for k, v in keep.items():  # every parameter a finite number (counts: positive whole numbers)
+        if k == "truncate" or (v is None and k in _OPTIONAL.get(kind, ())):
+            continue
+        try:
+            x = float(v)
+        except (TypeError, ValueError, OverflowError):
+            x = math.nan
+        if isinstance(v, bool) or not math.isfinite(x):
+            raise LayoutError(f"scaling: {k} must be a finite number, got {v!r}")
+        if (k in ("factor", "low_freq_factor", "high_freq_factor") or k.endswith("positions")
+                or k.endswith("embeddings")) and x <= 0:
+            raise LayoutError(f"scaling: {k} must be positive, got {v!r}")
+        if (k.endswith("positions") or k.endswith("embeddings")) and not x.is_integer():
+            raise LayoutError(f"scaling: {k} must be a whole number, got {v!r}")
     return (("rope_type", kind),) + tuple(sorted(keep.items()))
 
 
@@ -105,11 +117,18 @@ class RopeSpec:
         if self.rotary_dim % 2 or self.rotary_dim > self.head_size or self.head_size % 2:
             raise LayoutError(f"rotary_dim: expected an even value <= head_size={self.head_size} "
                               f"(head_size even), got {self.rotary_dim}")
-        if not (isinstance(self.base, (int, float)) and self.base > 1):
-            raise LayoutError(f"base: expected a number > 1, got {self.base!r}")
+        if not (isinstance(self.base, (int, float)) and not isinstance(self.base, bool) and self.base > 1
+                and math.isfinite(self.base)):
+            raise LayoutError(f"base: expected a finite number > 1, got {self.base!r}")
         if self.dtype not in MODEL_DTYPES:
             raise LayoutError(f"dtype: expected one of {MODEL_DTYPES}, got {self.dtype}")
         object.__setattr__(self, "scaling", _freeze_scaling(self.scaling))
+        if self.scaling_type == "dynamic":  # vLLM's NTK base: a positive bracket, rd > 2
+            p = self.scaling_params
+            f, trained = float(p["factor"]), float(p.get("max_trained_positions", self.max_position))
+            if self.rotary_dim <= 2 or f * self.max_position / trained - (f - 1) <= 0:
+                raise LayoutError(f"scaling: dynamic NTK needs rotary_dim > 2 and factor * max_position / "
+                                  f"max_trained_positions > factor - 1, got {dict(self.scaling)}")
         object.__setattr__(self, "is_neox_style", bool(self.is_neox_style))
         object.__setattr__(self, "base", float(self.base))
 
@@ -143,9 +162,16 @@ class RopeSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "RopeSpec":
         try:
-            return cls(int(d["head_size"]), int(d["rotary_dim"]), float(d["base"]), bool(d["is_neox_style"]),
-                       int(d["max_position"]), getattr(torch, d["dtype"]), d.get("scaling"))
-        except (KeyError, TypeError, AttributeError) as exc:
+            if not isinstance(d["is_neox_style"], bool):
+                raise TypeError(f"is_neox_style: expected a bool, got {d['is_neox_style']!r}")
+            ints = [d[k] for k in ("head_size", "rotary_dim", "max_position")]
+            if any(isinstance(v, bool) or int(v) != v for v in ints):
+                raise TypeError(f"head_size/rotary_dim/max_position: expected integers, got {ints}")
+            return cls(*(int(v) for v in ints[:2]), float(d["base"]), d["is_neox_style"],
+                       int(ints[2]), getattr(torch, d["dtype"]), d.get("scaling"))
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, LayoutError):
+                raise
             raise LayoutError(f"rope: malformed description {d!r}: {exc}") from exc
 
     # ------------------------------------------------------------------ vLLM construction
