@@ -85,3 +85,25 @@ def craft(kv, tok, pos, fp, *, leaf_size=4096, fanout=64, root=None, rope_json=N
             pad += (-actual) % PAYLOAD_ALIGNMENT
         offset = actual + (-actual) % PAYLOAD_ALIGNMENT
     raise RuntimeError("could not align")
+
+
+def read_outcome(store, key, kv, tok, pos, op="get", check="sha256", *, fp):
+    """``"same"`` when ``op`` (get / verify / read_header) gave back exactly the written segment,
+    ``"refused"`` for a KmeshError naming ``key``; anything else fails the calling test here."""
+    from kmesh_host import KmeshError
+
+    try:
+        if op == "get":
+            seg = store.get(key, model_fingerprint=fp, check=check)
+            assert torch.equal(seg.kv.view(torch.uint8), kv.view(torch.uint8)), "wrong kv returned"
+            assert torch.equal(seg.token_ids, tok) and torch.equal(seg.positions, pos), "wrong tokens returned"
+            assert seg.key == key and seg.fingerprint == fp
+        elif op == "verify":
+            assert store.verify(key).key == key
+        else:
+            h = store.read_header(key)
+            assert h.key == key and h.token_ids.tolist() == tok.tolist() and h.positions.tolist() == pos.tolist()
+        return "same"
+    except KmeshError as exc:
+        assert key in str(exc), f"error does not name the segment: {exc!r}"
+        return "refused"

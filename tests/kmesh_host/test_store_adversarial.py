@@ -10,6 +10,7 @@ points, foreign/garbage files, another key's file for ``get``) is extended here,
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,7 @@ from kmesh_host.segment import (
     payload_bytes,
     segment_schema,
 )
+from tests.helpers.segment_craft import read_outcome
 
 ROPE = {"base": 10000.0, "rotary_dim": 8, "is_neox_style": True}
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "float16", ROPE)
@@ -75,24 +77,8 @@ def call(store, key, op):
     return store.get(key, model_fingerprint=FP) if op == "get" else getattr(store, op)(key)
 
 
-def outcome(store, key, kv, tok, pos, op="get", check="sha256"):
-    """'same' if the exact written data came back, 'refused' for a KmeshError naming ``key``;
-    anything else fails the test here."""
-    try:
-        if op == "get":
-            seg = store.get(key, model_fingerprint=FP, check=check)
-            assert torch.equal(seg.kv.view(torch.uint8), kv.view(torch.uint8)), "wrong kv returned"
-            assert torch.equal(seg.token_ids, tok) and torch.equal(seg.positions, pos), "wrong tokens returned"
-            assert seg.key == key and seg.fingerprint == FP
-        elif op == "verify":
-            assert store.verify(key).key == key
-        else:
-            h = store.read_header(key)
-            assert h.key == key and h.token_ids.tolist() == tok.tolist() and h.positions.tolist() == pos.tolist()
-        return "same"
-    except KmeshError as exc:
-        assert key in str(exc), f"error does not name the segment: {exc!r}"
-        return "refused"
+
+outcome = functools.partial(read_outcome, fp=FP)  # get / verify / read_header: "same" or "refused"
 
 
 # ------------------------------------------------------------------ byte-level damage

@@ -10,6 +10,7 @@ Known faults of this path (see the audit notes) are not asserted here.
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 import kmesh_host.store as store_mod
-from tests.helpers.dictfs import DictFS, fail_with
 from kmesh_host import (
     FingerprintMismatch,
     HostTier,
@@ -33,6 +33,8 @@ from kmesh_host import (
     StorageError,
     restore_host_staging,
 )
+from tests.helpers.dictfs import DictFS, fail_with
+from tests.helpers.segment_craft import read_outcome
 
 try:
     import fsspec  # noqa: F401
@@ -123,23 +125,8 @@ def call(store, key, op, fp=FP):
     return store.get(key, model_fingerprint=fp) if op == "get" else getattr(store, op)(key)
 
 
-def outcome(store, key, kv, tok, pos, op="get", check="sha256", fp=FP):
-    """'same' when exactly the written data came back, 'refused' for a KmeshError naming ``key``."""
-    try:
-        if op == "get":
-            seg = store.get(key, model_fingerprint=fp, check=check)
-            assert torch.equal(seg.kv.view(torch.uint8), kv.view(torch.uint8)), "wrong kv returned"
-            assert torch.equal(seg.token_ids, tok) and torch.equal(seg.positions, pos), "wrong tokens returned"
-            assert seg.key == key and seg.fingerprint == fp
-        elif op == "verify":
-            assert store.verify(key).key == key
-        else:
-            h = store.read_header(key)
-            assert h.key == key and h.token_ids.tolist() == tok.tolist() and h.positions.tolist() == pos.tolist()
-        return "same"
-    except KmeshError as exc:
-        assert key in str(exc), f"error does not name the segment: {exc!r}"
-        return "refused"
+
+outcome = functools.partial(read_outcome, fp=FP)  # get / verify / read_header: "same" or "refused"
 
 
 # ---------------------------------------------------------------------- which path
