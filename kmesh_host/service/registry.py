@@ -38,6 +38,13 @@ from . import _compiled
 _I8 = np.dtype(np.int64)  # block arrays of this dtype (and C-contiguous) take the compiled paths
 
 
+def _compiled_for(blocks: np.ndarray):
+    """The compiled passes where ``blocks`` fits their signature (int64, C-contiguous, writable:
+    Numba types a read-only array apart and its int64[::1] signature refuses it), else ``None``."""
+    flags = blocks.flags
+    return _compiled.compiled() if blocks.dtype is _I8 and flags.c_contiguous and flags.writeable else None
+
+
 class Completion(ABC):
     """Physical completion of work that was already submitted.
 
@@ -322,7 +329,7 @@ class Registry:
         holders = reg.holders
         if blocks.size and (blocks[0] < 0 or blocks[-1] >= holders.shape[0]):
             raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
-        compiled = _compiled.compiled() if blocks.dtype is _I8 and blocks.flags.c_contiguous else None
+        compiled = _compiled_for(blocks)
         with self._lock:
             if reg.state != REG_OPEN:
                 raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
@@ -334,6 +341,9 @@ class Registry:
                     raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
                 if code != _compiled.RESERVED:
                     self._refuse_held(reg, blocks)
+            elif blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= holders.shape[0]):
+                # as the compiled reserve: every id checked (an unsorted -1 would wrap to the last block)
+                raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
             elif np.count_nonzero(holders[blocks]):
                 self._refuse_held(reg, blocks)
             else:
@@ -441,7 +451,7 @@ class Registry:
             reg = op.reg
             holders, blocks = reg.holders, op.blocks
             # only the blocks this operation holds: all of them, while begin() is the only one to reserve
-            compiled = _compiled.compiled() if blocks.dtype is _I8 and blocks.flags.c_contiguous else None
+            compiled = _compiled_for(blocks)
             if compiled is not None:
                 compiled.release(holders, blocks, op.op_id)
             else:

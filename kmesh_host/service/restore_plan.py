@@ -95,7 +95,9 @@ def _restore_blocks(registry: Registry, reg, req: protocol.RestoreRequest, plan:
     by the NumPy path, which names what is wrong."""
     compiled = _compiled.compiled()
     values = req.values
-    if compiled is not None and values is not None:
+    # the compiled signature takes writable C-contiguous int64 only (np.frombuffer of bytes is read-only)
+    if (compiled is not None and values is not None and values.dtype == np.int64 and values.flags.c_contiguous
+            and values.flags.writeable):
         out = np.empty(len(req.slots), dtype=np.int64)
         count = compiled.restore_blocks(values, plan.starts, plan.check_params, out)
         if count >= 0:
