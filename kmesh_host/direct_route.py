@@ -19,8 +19,8 @@ import torch
 from kmesh_gpu.errors import BackendError, IntegrityError
 
 from ._streams import _Streams
-from .routes import (RestoreResult, RouteReport, _check_placement, _check_targets, _integrity_failure,
-                     _layout_offsets, _sync, _timed_placement, _Verifier)
+from .routes import (RestoreResult, RouteReport, _check_device, _check_placement, _check_targets,
+                     _integrity_failure, _layout_offsets, _sync, _timed_placement, _Verifier)
 from .segment import ModelFingerprint, check_fingerprint
 from .store import SegmentStore
 
@@ -129,6 +129,7 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
     device = torch.device(device)
     if device.type != "cuda":
         raise BackendError(f"route 'direct' reads into GPU memory; device {device} is not a CUDA device")
+    device = _check_device(device, "direct")  # before kvikio: no usable CUDA is the reason, not the package
     targets = _check_targets(targets)
     kvikio = _kvikio()
     facts = direct_facts(device)

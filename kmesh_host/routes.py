@@ -57,7 +57,7 @@ import torch
 import kmesh_gpu
 from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
 from kmesh_gpu import _place_driver  # the all-resident path's placement in one compiled call
-from kmesh_gpu.errors import IntegrityError, LayoutError
+from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
 from ._streams import _CallerStream, _Streams
@@ -396,6 +396,32 @@ def _integrity_failure(bad: list[str]) -> IntegrityError:
                           "(corrupt read or storage); nothing was placed")
 
 
+_USABLE_DEVICES: set = set()  # devices a route has found usable (a restore checks a set, not the driver)
+
+
+def _check_device(device, route: str) -> torch.device:
+    """``device`` as a torch.device a route can restore into; a typed refusal (BackendError) naming
+    why when it is not: an unknown spelling, a device type that holds no data (``meta``) or a CUDA
+    device this process cannot use."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BackendError(f"route {route!r}: device {device!r} is not a device ({exc})") from exc
+    if device in _USABLE_DEVICES:
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendError(f"route {route!r}: device {device} needs CUDA, and this process has no usable CUDA "
+                               f"device (torch {torch.__version__}, CUDA available: False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise BackendError(f"route {route!r}: device {device}: only {torch.cuda.device_count()} CUDA "
+                               "device(s) visible")
+    elif device.type != "cpu":
+        raise BackendError(f"route {route!r}: device {device}: expected a CUDA device or 'cpu'")
+    _USABLE_DEVICES.add(device)
+    return device
+
+
 def _check_targets(targets) -> list[RestoreTarget]:
     targets = list(targets)
     for i, t in enumerate(targets):
@@ -436,7 +462,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             not checked again; ``False`` checks them too, with ``verify``.
         backend: placement backend (``kmesh_gpu.place``); hash_backend: ``kmesh_gpu.tree_digests``'s.
     """
-    device = torch.device(device)
+    device = _check_device(device, "host_staging")
     targets = _check_targets(targets)
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify: expected one of {VERIFY_MODES}, got {verify!r}")
