@@ -33,10 +33,12 @@ class SingleFlight:
         self._lock = threading.Lock()
         self._calls: dict[Hashable, _Call] = {}
 
-    def do(self, key: Hashable, fn: Callable[[], Any]) -> tuple[Any, bool]:
+    def do(self, key: Hashable, fn: Callable[[], Any], *, on_settle=None) -> tuple[Any, bool]:
         """Run ``fn()`` once for all concurrent callers of ``key``; returns ``(result, joined)``.
 
         ``joined`` is False for the caller that ran ``fn`` and True for those that waited on it.
+        ``on_settle(result, joiners)``: called once ``fn`` has returned, while no caller can join any
+        more and none has been woken, with the final count of joiners (see :meth:`settle`).
         """
         with self._lock:
             call = self._calls.get(key)
@@ -57,6 +59,8 @@ class SingleFlight:
             raise
         finally:
             with self._lock:
+                if call.error is None and on_settle is not None:
+                    on_settle(call.result, call.joiners)
                 del self._calls[key]
             call.done.set()
         return call.result, False
@@ -70,10 +74,18 @@ class SingleFlight:
             call = self._calls[key] = _Call()
             return call
 
-    def settle(self, key: Hashable, call: _Call, result: Any = None, error: BaseException | None = None) -> None:
-        """End a call claimed with :meth:`lead`: its joiners get ``result`` or ``error``. Call exactly once."""
+    def settle(self, key: Hashable, call: _Call, result: Any = None, error: BaseException | None = None, *,
+               on_settle=None) -> None:
+        """End a call claimed with :meth:`lead`: its joiners get ``result`` or ``error``. Call exactly once.
+
+        ``on_settle(result, joiners)`` (with a result): called under this object's lock, when the
+        number of joiners is final and none has been woken: a leader can set something aside for
+        each of them (the host tier reserves a lease per joiner, so that the leader's own release
+        cannot free what they are about to take)."""
         call.result, call.error = result, error
         with self._lock:
+            if error is None and on_settle is not None:
+                on_settle(result, call.joiners)
             if self._calls.get(key) is call:
                 del self._calls[key]
         call.done.set()

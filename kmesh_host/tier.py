@@ -171,7 +171,7 @@ class BufferPool:
 
 class _Entry:
     __slots__ = ("key", "header", "buffer", "lead", "refs", "in_map", "dropped", "evict_on_release", "o_direct",
-                 "note", "verified")
+                 "note", "verified", "reserved")
 
     def __init__(self, key: str, header: SegmentHeader, buffer: HostBuffer, lead: int, o_direct: bool, note,
                  verified: str | None = None):
@@ -182,6 +182,7 @@ class _Entry:
         self.dropped = False  # its buffer went back to the pool
         self.evict_on_release = False
         self.o_direct, self.note = o_direct, note
+        self.reserved = 0  # references counted in refs for joiners of the load that made it, not yet taken
 
     @property
     def payload(self) -> torch.Tensor:
@@ -295,7 +296,8 @@ class HostTier:
             chunk = None if on_chunk is None else _guarded(on_chunk, cb_error)
             try:
                 if self.config.singleflight:
-                    entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, chunk))
+                    entry, joined = self._flight.do(key, lambda: self._load(key, model_fingerprint, chunk),
+                                                    on_settle=self._reserve_for_joiners)
                 else:
                     entry, joined = self._load(key, model_fingerprint, chunk), False
             except FingerprintMismatch:
@@ -313,14 +315,30 @@ class HostTier:
                     self._release(entry)  # drops a private or unretained copy
                 raise cb_error[0]
             with self._lock:
-                # Budget pressure may have dropped a fresh entry before its caller got to it; a
-                # leader whose key was already resident keeps its own copy privately.
-                if not entry.dropped and (entry.in_map or not joined):
-                    check_fingerprint(entry.header, model_fingerprint)
+                # A joiner's reference was counted when the load settled (so the leader's release
+                # cannot free the entry before the joiner gets here); budget pressure may have dropped
+                # a fresh entry before its caller got to it; a leader whose key was already resident
+                # keeps its own copy privately.
+                reserved = joined and entry.reserved > 0
+                if reserved:
+                    entry.reserved -= 1
+                usable = not entry.dropped and (entry.in_map or not joined or reserved)
+                if usable and not reserved:
+                    check_fingerprint(entry.header, model_fingerprint)  # raises with nothing taken
                     entry.refs += 1
-                    if joined:
+            if usable:
+                if reserved:
+                    try:
+                        check_fingerprint(entry.header, model_fingerprint)
+                    except BaseException:
+                        self._release(entry)
+                        raise
+                if joined:
+                    with self._lock:
                         self.stats["joins"] += 1
-                    return HostLease(self, entry, "joined" if joined else "read")
+                return HostLease(self, entry, "joined" if joined else "read")
+            if reserved:  # not usable after all: give the reserved reference back
+                self._release(entry)
         raise BudgetExceeded(f"segment {key}: evicted repeatedly before it could be leased (budget too small)")
 
     def acquire_resident(self, key: str, *, model_fingerprint: ModelFingerprint) -> HostLease | None:
@@ -442,6 +460,15 @@ class HostTier:
             on_done(i, None if error is not None else f.result(), error)
 
         fut.add_done_callback(done)
+
+    def _reserve_for_joiners(self, entry, joiners: int) -> None:
+        """SingleFlight's ``on_settle``: count a reference for each caller that joined the load of
+        ``entry`` (each takes its own in :meth:`acquire`), before the leader can release its own."""
+        if entry is None or not joiners:
+            return
+        with self._lock:
+            entry.refs += joiners
+            entry.reserved += joiners
 
     def _entered(self, key: str, header: SegmentHeader, buf: HostBuffer, lead: int, o_direct: bool, note,
                  verified) -> _Entry:
@@ -719,7 +746,7 @@ class _PipelinedLoad:
             return
         entry = tier._entered(self.key, h, self.buf, self.lead, self.o_direct, self.note, verified)
         if self.call is not None:
-            tier._flight.settle(self.key, self.call, result=entry)
+            tier._flight.settle(self.key, self.call, result=entry, on_settle=tier._reserve_for_joiners)
         self.on_done(self.i, HostLease(tier, entry, "read"), None)
 
 

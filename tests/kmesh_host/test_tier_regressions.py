@@ -2,7 +2,8 @@
 audit (each failed before its fix): a pipelined load's host check queued behind its own joiners,
 caller-specific errors shared through singleflight, a deleted segment's raw OSError, a fallback
 closing a descriptor queued io_uring reads still name, an engine refusing a chunk, a chunk read's
-BaseException, overlapping acquires reading twice, a closed io_uring reader's descriptors.
+BaseException, overlapping acquires reading twice, a closed io_uring reader's descriptors, a joined
+child reading again when its leader released first (singleflight without retention).
 Every wait is bounded; loads left hanging are settled at the end of a test so the run ends.
 """
 
@@ -18,9 +19,12 @@ import pytest
 
 from kmesh_host import (
     FingerprintMismatch,
+    HostTier,
+    HostTierConfig,
     KmeshError,
     RestoreTarget,
     SegmentStore,
+    restore,
     restore_host_staging,
     uring,
 )
@@ -357,3 +361,50 @@ def test_closed_io_uring_tier_closes_its_ring(store, keys):
     tier.acquire(keys[0], model_fingerprint=FP).release()
     tier.close()
     assert _ring_fds() == base, f"{_ring_fds() - base} io_uring descriptors open after HostTier.close()"
+
+
+def test_joined_child_does_not_read_again_when_the_leader_releases_first(store, monkeypatch):
+    """Child B joins child A's loads (singleflight, retain=False). A finishes and releases its
+    leases before B's waiting threads take theirs: B must not read the keys a second time."""
+    keys = put_segments(store, 3)
+    tier = HostTier(store, HostTierConfig(retain=False, singleflight=True, verify="none", pin=False,
+                                          chunk_bytes=4096, read_threads=2, io_engine="threads"))
+    gate, entered, a_done = threading.Event(), threading.Event(), threading.Event()
+    real_read, real_do = DirectFile.pread_into, tier._flight.do
+
+    def held(self, view, offset):
+        entered.set()
+        assert gate.wait(20)
+        return real_read(self, view, offset)
+
+    def slow_wakeup(key, fn, **kw):  # a joiner scheduled late (after the leader's child ended)
+        out = real_do(key, fn, **kw)
+        if out[1]:
+            a_done.wait(20)
+        return out
+
+    monkeypatch.setattr(DirectFile, "pread_into", held)
+    monkeypatch.setattr(tier._flight, "do", slow_wakeup)
+    out = {}
+
+    def child(name):
+        out[name] = restore("host_staging", store, [RestoreTarget(k) for k in keys], model_fingerprint=FP,
+                            device="cpu", tier=tier, verify="host")
+        if name == "a":
+            a_done.set()
+
+    a = threading.Thread(target=child, args=("a",))
+    a.start()
+    assert entered.wait(10)
+    b = threading.Thread(target=child, args=("b",))
+    b.start()
+    end = time.monotonic() + 10
+    while sum(tier.waiting(k) for k in keys) < 3 and time.monotonic() < end:
+        time.sleep(0.005)
+    gate.set()
+    a.join(30)
+    b.join(30)
+    assert set(out) == {"a", "b"}
+    assert out["b"].report.tier_sources == {"joined": 3}
+    assert tier.stats["reads"] == 3  # singleflight: one read per key
+    tier.close()
