@@ -467,6 +467,8 @@ class HostTier:
         if entry is None or not joiners:
             return
         with self._lock:
+            if entry.dropped:  # budget pressure freed it before the load settled: joiners read again
+                return
             entry.refs += joiners
             entry.reserved += joiners
 

@@ -408,3 +408,46 @@ def test_joined_child_does_not_read_again_when_the_leader_releases_first(store, 
     assert out["b"].report.tier_sources == {"joined": 3}
     assert tier.stats["reads"] == 3  # singleflight: one read per key
     tier.close()
+
+
+def test_a_load_dropped_before_it_settles_reserves_nothing_for_its_joiners(store, keys, monkeypatch):
+    """Budget pressure (here an evict) frees a freshly loaded entry before its load settles: its
+    joiners must not be handed references to the freed copy (releasing one would free the buffer
+    a second time); every caller reads again and gets a sound lease, and nothing is left in use."""
+    tier = tier_for(store)
+    real_load = tier._load
+
+    dropped = []
+
+    def load_then_drop(key, fp, on_chunk):
+        entry = real_load(key, fp, on_chunk)
+        if not dropped:  # the first load only
+            dropped.append(key)
+            wait_until(lambda: tier.waiting(key) >= 1)
+            tier.evict(key)  # unleased and in the map: freed now
+        return entry
+
+    monkeypatch.setattr(tier, "_load", load_then_drop)
+    out, errors = [], []
+
+    def call():
+        try:
+            out.append(tier.acquire(keys[0], model_fingerprint=FP))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    first = threading.Thread(target=call)
+    first.start()
+    wait_until(lambda: tier.in_flight() == 1)
+    second = threading.Thread(target=call)
+    second.start()
+    first.join(20)
+    second.join(20)
+    monkeypatch.setattr(tier, "_load", real_load)
+    assert not errors, errors
+    assert len(out) == 2 and all(not lease._entry.dropped for lease in out)
+    for lease in out:
+        lease.release()
+    tier.evict()
+    assert tier.pool.in_use_bytes == 0
+    tier.close()
