@@ -16,7 +16,7 @@ import kmesh_gpu
 import kmesh_host.routes as routes_mod
 from kmesh_host import uring
 from kmesh_host.direct_io import DirectFile
-from kmesh_gpu import KVLayout, RopeSpec
+from kmesh_gpu import KVLayout
 from kmesh_gpu.errors import BackendError, StorageError
 from kmesh_host import (
     FingerprintMismatch,
@@ -32,12 +32,8 @@ from kmesh_host import (
 )
 from tests.helpers.devices import DEVICES
 from tests.helpers.io import refuse_o_direct_at_open
+from tests.helpers.route_model import DTYPE, FP, ROPE, D, H, L
 
-L, H, D = 2, 2, 16
-DTYPE = torch.bfloat16
-ROPE = RopeSpec(head_size=D, rotary_dim=D, base=10000.0, is_neox_style=True, max_position=4096, dtype=DTYPE)
-FP = ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16",
-                      {"base": 10000.0, "rotary_dim": D, "is_neox_style": True, "max_position": 4096})
 TOKENS = [37, 64, 100]  # three segments, none a multiple of a 4 KiB page
 
 

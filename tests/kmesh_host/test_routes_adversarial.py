@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import kmesh_gpu
-from kmesh_gpu import KVLayout, RopeSpec
+from kmesh_gpu import KVLayout
 from kmesh_gpu.errors import BackendError
 from kmesh_host import (
     FingerprintMismatch,
@@ -52,19 +52,15 @@ from kmesh_host import (
 )
 from kmesh_host.direct_io import DirectFile
 from tests.helpers.io import refuse_o_direct_at_open
+from tests.helpers.route_model import DTYPE, FP, ROPE, D, H, L
 
-L, H, D = 2, 2, 16
-DT = torch.bfloat16
-ROPE = RopeSpec(head_size=D, rotary_dim=D, base=10000.0, is_neox_style=True, max_position=4096, dtype=DT)
-FP = ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16",
-                      {"base": 10000.0, "rotary_dim": D, "is_neox_style": True, "max_position": 4096})
 OTHER = ModelFingerprint("Qwen2ForCausalLM", L, H, D, "bfloat16", {"base": 1.0})
 LAYOUT_NAMES = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "NHD", "HND"]
 VERIFY = ["device", "device-batched", "host", "none"]
 
 
 def kv_for(seed: int, T: int) -> torch.Tensor:
-    return torch.randn((2, L, T, H, D), generator=torch.Generator().manual_seed(seed)).to(DT)
+    return torch.randn((2, L, T, H, D), generator=torch.Generator().manual_seed(seed)).to(DTYPE)
 
 
 def make_store(tmp_path, n=6, seed=0):
@@ -81,7 +77,7 @@ def make_store(tmp_path, n=6, seed=0):
 
 def layout_for(name: str, packing: str = "content") -> KVLayout:
     return KVLayout.from_vllm(name, num_layers=L, num_blocks=64, block_size=16, num_kv_heads=H, head_size=D,
-                              dtype=DT, kv_packing=packing)
+                              dtype=DTYPE, kv_packing=packing)
 
 
 def random_child(store, keys, layout, rng: random.Random, *, shifted: bool, skip: bool = True,
