@@ -65,7 +65,9 @@ def _kernel(dtype_name: str):
     @wp.func
     def store(p: wp.array(dtype=T), x: wp.float32, scale: wp.float32):
         if wp.static(is_fp8):
-            y = wp.clamp(x / scale, -448.0, 448.0)
+            y = x / scale
+            if not wp.isnan(y):  # wp.clamp turns NaN into -448; torch's clamp (the reference) keeps NaN
+                y = wp.clamp(y, -448.0, 448.0)
             p[0] = fp8_encode(y)
         elif wp.static(is_f32):
             p[0] = x

@@ -82,6 +82,8 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
         tensors, per_layer = list(cache), True
         if len(tensors) != layout.num_layers:
             raise LayoutError(f"{name}: expected {layout.num_layers} per-layer tensors, got {len(tensors)}")
+        if len({t.data_ptr() for t in tensors}) != len(tensors):
+            raise LayoutError(f"{name}: two layers are given the same memory")
     else:
         raise LayoutError(f"{name}: expected a tensor or a list of per-layer tensors, got {type(cache).__name__}")
     want = layout.storage_dtype
@@ -111,6 +113,35 @@ def _cache_layers(cache, layout: KVLayout, name: str) -> tuple[list[torch.Tensor
                               f"({_fmt(t)}, strides {tuple(t.stride())}; layout {layout.name} sizes={layout.sizes})")
         flats.append(t.view(want).as_strided((extent,), (1,)))
     return flats, per_layer
+
+
+def _ranges(flats: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """[first byte, one past the last byte) that each flat cache view may address."""
+    return [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in flats]
+
+
+def _meets(a: tuple[int, int], ranges) -> bool:
+    return any(a[0] < hi and lo < a[1] for lo, hi in ranges)
+
+
+def _check_aliasing(items, cache_views, names: list[str], *, gather: bool) -> None:
+    """Sources (``gather``: destinations) must not share memory with any destination cache, and
+    distinct destination caches must not share memory: the backends read and write in different
+    orders (torch copies the sources first, the kernels do not), so either would make the bits
+    depend on the backend, and concurrent writes to one element race on a GPU."""
+    keys = list(cache_views)
+    ranges = {key: _ranges(cache_views[key][0]) for key in keys}
+    for a in range(len(keys)):
+        for b in range(a + 1, len(keys)):
+            if any(_meets(r, ranges[keys[b]]) for r in ranges[keys[a]]):
+                raise LayoutError("caches: two destination caches share memory (pass one tensor for both, "
+                                  "or caches that do not overlap)")
+    every = [r for key in keys for r in ranges[key]]
+    for it, name in zip(items, names):
+        kv = it.kv
+        if kv.numel() and _meets((kv.data_ptr(), kv.data_ptr() + kv.numel() * kv.element_size()), every):
+            raise LayoutError(f"{name}: shares memory with the cache" + (" it is gathered from" if gather else
+                                                                        " it is placed into; copy it first"))
 
 
 def _index(name: str, x, n: int) -> torch.Tensor:
@@ -211,6 +242,8 @@ def _prepare(kvs, caches, layout: KVLayout, slots, rope, old_positions, new_posi
         if all_old is not None:
             it.old, it.new = all_old[pos:pos + T], all_new[pos:pos + T]
         pos += T
+    _check_aliasing(items, cache_views, ["out" if gather else "kv" if n == 1 else f"kvs[{i}]" for i in range(n)],
+                    gather=gather)
     cache_ids = list(cache_views)
     _check_values(items, layout, rope, all_slots, all_old, all_new,
                   [cache_ids.index(it.cache_key) for it in items], check_duplicates=not gather and not slots_checked,
@@ -405,7 +438,7 @@ class _Facts:
     is not kept alive): another tensor with those passes the same checks."""
 
     __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
-                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches", "lane")
+                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches", "lane", "span")
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
         flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
@@ -431,6 +464,7 @@ class _Facts:
         self.ring = None  # the device's table ring (_place_driver), looked up on first use; False: none
         self.launches = None  # kernel shape -> the run kernel's packed launch arguments (_place_driver)
         self.lane = None  # _place_driver.place_now's constants for this cache; False: it does not apply
+        self.span = _ranges(flats)[0]  # the cache's bytes: sources must lie outside
 
 
 def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:
@@ -500,6 +534,8 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
                 or not kv.is_contiguous():
             return None
         p = kv.data_ptr()
+        if p < f.span[1] and f.span[0] < p + kv.numel() * kv.element_size():
+            return None  # the source aliases the cache: the general path raises
         counts.append(s[2])
         ptrs.append(p)
         bits |= p
@@ -538,6 +574,8 @@ def _prepare_at(addresses, shapes, dtype: torch.dtype, device: torch.device, cac
     bits = f.bits
     for s, p in zip(shapes, addresses):
         if len(s) != 5 or s[0] != 2 or s[1] != L or s[3] != H or s[4] != D:
+            return None
+        if p < f.span[1] and f.span[0] < p + 2 * L * s[2] * H * D * want.itemsize:
             return None
         bits |= p
     return _fast_tables(f, be, layout, rope, slots, old_positions, new_positions, k_scale,

@@ -52,7 +52,7 @@ template <> struct Elem<unsigned char> {
     }
     static __device__ __forceinline__ void store(unsigned char* p, float x, float scale) {
         float y = __fdiv_rn(x, scale);
-        y = fminf(fmaxf(y, -448.0f), 448.0f);
+        if (y == y) y = fminf(fmaxf(y, -448.0f), 448.0f);  // fmaxf(NaN, -448) is -448: NaN stays NaN (torch)
         *p = fp8_e4m3_encode(y);
     }
 };

@@ -2,7 +2,9 @@
 before its fix): strided cache views written outside the view, K and V of large layouts overlapping,
 RoPE specs with unusable scaling values, untyped errors and silent coercions (float sizes, "false"
 as a neox flag, meta tensors, k_scale strings), layouts beyond int64, ``gather(out=)`` naming the
-wrong argument and keeping skipped rows.
+wrong argument and keeping skipped rows, sources or ``gather`` outputs inside the cache and caches
+sharing memory (the backends wrote different bits), and Warp's fp8 store turning a shifted NaN key
+into -448 where torch keeps NaN (the CUDA kernels' clamp had the same pattern).
 """
 
 from __future__ import annotations
@@ -171,3 +173,104 @@ def test_gather_out_errors_name_out_and_skipped_rows_are_zero(backend):
     gather(cache, lay, sl, out=out, backend=backend)
     assert torch.equal(out, gather(cache, lay, sl, backend=backend))
     assert not bool(out[:, :, 1].any())
+
+
+# ------------------------------------------------------------------ 3. sources that alias the cache
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("api", ["place", "place_many"])
+def test_source_inside_the_destination_cache_is_refused(backend, api):
+    """A segment tensor that is a view of the cache it is placed into: torch copies the sources
+    first, the Warp kernel reads and writes in one pass, so the two backends wrote different bits.
+    Refused (LayoutError naming kv), nothing written."""
+    lay = _small(B=8)
+    cache = torch.randn(lay.physical_shape, generator=torch.Generator().manual_seed(0))
+    before = cache.clone()
+    T = 6
+    kv = cache.view(-1)[:2 * lay.num_layers * T * lay.num_kv_heads * lay.head_size].view(
+        2, lay.num_layers, T, lay.num_kv_heads, lay.head_size)
+    slots = torch.arange(T) + 1
+    with pytest.raises(LayoutError, match="kv"):
+        if api == "place":
+            place(kv, cache, lay, slots, backend=backend)
+        else:
+            place_many([kv], cache, lay, [slots], backend=backend)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_out_inside_the_cache_is_refused(backend):
+    lay = _small(B=8)
+    cache = torch.randn(lay.physical_shape, generator=torch.Generator().manual_seed(1))
+    before = cache.clone()
+    out = cache.view(-1)[:2 * lay.num_layers * 3 * lay.num_kv_heads * lay.head_size].view(
+        2, lay.num_layers, 3, lay.num_kv_heads, lay.head_size)
+    with pytest.raises(LayoutError, match="out"):
+        gather(cache, lay, torch.tensor([20, 21, 22]), out=out, backend=backend)
+    assert torch.equal(cache, before)
+
+
+# ------------------------------------------------------------------ 4. destinations that alias each other
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_place_many_into_overlapping_caches_is_refused(backend):
+    """Two cache tensors that share memory (layer 1 of one is layer 0 of the other): slot 0 of
+    both is one element, written twice in one launch (torch: the last item wins, Warp: the first).
+    Refused like a duplicate slot, nothing written."""
+    lay = _small()
+    big = torch.zeros((lay.num_layers + 1,) + lay.physical_shape[1:])
+    a, b = big[0:lay.num_layers], big[1:lay.num_layers + 1]
+    kv1 = torch.full((2, lay.num_layers, 1, lay.num_kv_heads, lay.head_size), 1.0)
+    kv2 = torch.full_like(kv1, 2.0)
+    with pytest.raises(LayoutError, match="share memory"):
+        place_many([kv1, kv2], [a, b], lay, [torch.tensor([0]), torch.tensor([0])], backend=backend)
+    assert not bool(big.any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_layer_list_with_one_tensor_for_two_layers_is_refused(backend):
+    lay = _small()
+    layer = torch.zeros(lay.physical_shape[1:])
+    kv = torch.randn(2, lay.num_layers, 3, lay.num_kv_heads, lay.head_size)
+    with pytest.raises(LayoutError, match="same memory"):
+        place(kv, [layer, layer], lay, torch.tensor([0, 1, 2]), backend=backend)
+    assert not bool(layer.any())
+
+
+# ------------------------------------------------------------------ 5. Warp's fp8 store of NaN
+def test_warp_fp8_shift_keeps_nan_like_torch():
+    """fp8 e4m3 keys holding NaN (0x7f / 0xff): torch writes NaN back, Warp wrote 0xfe (-448.0),
+    a finite value, because wp.clamp maps NaN to the lower bound."""
+    lay = _small(torch.uint8, L=1, B=1, N=4, H=1, D=4)
+    rope = RopeSpec(4, 4, 10000.0, True, 64, torch.bfloat16)
+    kv = torch.tensor([0x7F, 0xFF, 0x7E, 0x01], dtype=torch.uint8).view(1, 1, 4, 1, 1).expand(2, 1, 4, 1, 4)
+    kv = kv.contiguous()
+    outs = {}
+    for backend in BACKENDS:
+        cache = lay.allocate(fill=0)
+        place(kv, cache, lay, torch.arange(4), rope=rope, old_positions=torch.tensor([1, 2, 3, 4]),
+              new_positions=torch.tensor([5, 6, 7, 8]), k_scale=0.5, backend=backend)
+        outs[backend] = cache.clone()
+    assert torch.equal(outs["torch"], outs["warp"])
+    k = gather(outs["warp"], lay, torch.arange(4))[0].view(torch.float8_e4m3fn).float()
+    assert bool(k[0, :2].isnan().all())
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_shift_keeps_nan_like_torch():
+    """The same on CUDA, for every backend there (the CuPy kernels' store clamped NaN the same way)."""
+    from tests.helpers.devices import backends_for
+
+    lay = _small(torch.uint8, L=1, B=1, N=4, H=1, D=4)
+    rope = RopeSpec(4, 4, 10000.0, True, 64, torch.bfloat16)
+    kv = torch.tensor([0x7F, 0xFF, 0x7E, 0x01], dtype=torch.uint8).view(1, 1, 4, 1, 1).expand(2, 1, 4, 1, 4)
+    kv = kv.contiguous().cuda()
+    outs = {}
+    for backend in backends_for("cuda"):
+        cache = lay.allocate(fill=0, device="cuda")
+        place(kv, cache, lay, torch.arange(4, device="cuda"), rope=rope,
+              old_positions=torch.tensor([1, 2, 3, 4], device="cuda"),
+              new_positions=torch.tensor([5, 6, 7, 8], device="cuda"), k_scale=0.5, backend=backend)
+        outs[backend] = cache.cpu()
+    for backend, got in outs.items():
+        assert torch.equal(got, outs["torch"]), backend
+    k = gather(outs["torch"], lay, torch.arange(4))[0].view(torch.float8_e4m3fn).float()
+    assert bool(k[0, :2].isnan().all())
