@@ -150,7 +150,9 @@ class _Service:
         self.cuda = torch.cuda.is_available()
         store = StoreSource(config.store_root) if config.store_root else None
         self.sources = TieredSource(HostOriginals(config.host_budget_bytes, pin=self.cuda), store)
-        self.device_originals = DeviceOriginals(config.device_budget_bytes)
+        host = self.sources.host
+        self.device_originals = DeviceOriginals(config.device_budget_bytes,
+                                                is_current=lambda key, seg: host.get_many((key,))[0] is seg)
         self.device_mappings = DeviceMappings()
         self.registry = Registry(self._release_memory)
         self._stop = threading.Event()
@@ -568,8 +570,11 @@ class _Service:
         key = protocol.field(h, "key", str)
         if self.registry.source_held(key):
             raise OwnershipError(f"key {key!r}: held by a pending operation until its copy has drained")
+        # The host tier first: a restore that looked the key up before this evict and uploads it
+        # after the drop below finds it no longer current and keeps no device copy of it.
+        evicted = self.sources.delete(key)
         self.device_originals.drop(key)
-        return {"key": key, "evicted": self.sources.delete(key)}, b""
+        return {"key": key, "evicted": evicted}, b""
 
     def op_register(self, h, body, peer, conn_id):
         from kmesh_gpu import KVLayout, RopeSpec

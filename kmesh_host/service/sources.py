@@ -265,9 +265,16 @@ class DeviceOriginals:
     Called by the cache service's restore handler (any thread): ``get(key, segment, device)``
     returns the :class:`DeviceCopy` (uploading it on this tier's stream first if needed) or
     ``None`` when it cannot fit (the caller then uploads for the one request). ``drop(key)`` is
-    called by ``evict`` once no pending operation holds the key. An entry is valid only for the
-    host segment object it was copied from, so a key evicted and published again is never served
-    stale. Least recently used copies make room for new ones.
+    called by ``evict`` once no pending operation holds the key, after the host tier has let the key
+    go. An entry is valid only for the host segment object it was copied from, so a key evicted and
+    published again is never served stale. Least recently used copies make room for new ones.
+
+    ``is_current(key, segment)`` (optional): whether ``segment`` is still the original the service
+    serves for ``key``; a copy is kept only while it is, checked under this tier's lock. A restore
+    looks its segments up before it holds them, so an evict can run in between: without the check,
+    that restore's first use would keep a device copy of a key already evicted (until least-recently-
+    used pressure removed it), and a store segment served without a place in the host tier (a new
+    object per request, never reused) would take budget from copies that are.
 
     Ownership: dropping an entry drops this tier's reference only. An operation that reads the copy
     holds it in its keepalive until its drain (physical completion), so the memory returns to
@@ -275,8 +282,9 @@ class DeviceOriginals:
     this tier holds.
     """
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, *, is_current=None):
         self.budget_bytes = int(budget_bytes)
+        self._is_current = is_current
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, int], DeviceCopy] = OrderedDict()
         self._bytes: dict[int, int] = {}
@@ -294,19 +302,15 @@ class DeviceOriginals:
                 self._remove((key, index))
             if nbytes > self.budget_bytes:
                 return None
+            if self._is_current is not None and not self._is_current(key, segment):
+                return None  # evicted (or never retained) since the caller looked it up: not kept
             for k in [k for k in self._entries if k[1] == index]:  # least recently used first
                 if self._bytes.get(index, 0) + nbytes <= self.budget_bytes:
                     break
                 self._remove(k)
             # Upload under the lock: concurrent first uses of one key upload it once. Submitting an
             # asynchronous copy from pinned memory takes microseconds; nobody waits for it here.
-            stream = self._streams.get(index)
-            if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
-            with torch.cuda.device(index), torch.cuda.stream(stream):
-                kv = segment.kv.to(torch.device("cuda", index), non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(stream)
+            kv, ready = self._upload(segment, index)
             entry = DeviceCopy(kv, ready, segment)
             self._entries[(key, index)] = entry
             self._bytes[index] = self._bytes.get(index, 0) + nbytes
@@ -330,6 +334,17 @@ class DeviceOriginals:
             if entry is None:
                 out[i] = self.get(keys[i], segments[i], device)
         return out
+
+    def _upload(self, segment: SourceSegment, index: int):
+        """Queue ``segment.kv``'s copy to device ``index`` on this tier's stream: (copy, its ready event)."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            kv = segment.kv.to(torch.device("cuda", index), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return kv, ready
 
     @staticmethod
     def order_after_upload(entry: DeviceCopy, stream) -> None:

@@ -7,6 +7,10 @@
 4. With a segment store configured, an absent key read without a fingerprint was a generic
    ``KmeshError``, not ``SegmentNotFound``.
 5. ``held_sources`` counted a key once per item, not once per pending operation.
+6. A restore looks its originals up before it holds them: an evict in between, then the restore's
+   first use on a GPU, left a device copy of the evicted key in the device tier (taking budget until
+   least-recently-used pressure removed it); a store original served without a place in the host
+   tier was copied into the device tier at every request though never reused.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from kmesh_gpu.errors import FingerprintMismatch, KmeshError, SegmentNotFound
 from kmesh_host import ModelFingerprint, SegmentStore
 from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
-from kmesh_host.service.sources import HostOriginals, StoreSource, TieredSource
+from kmesh_host.service.server import _Service
+from kmesh_host.service.sources import DeviceOriginals, HostOriginals, SourceSegment, StoreSource, TieredSource
 from tests.helpers.service import registration_of, small_layout, small_rope, socket_dir
 
 T = 4
@@ -150,3 +155,70 @@ def test_held_sources_counts_pending_operations(store_service):
         c.drain(reg, [op])
         assert c.evict("k") is True
         assert c.close_registration(reg) is True
+
+
+class _CountingUploads(DeviceOriginals):
+    """The device tier's bookkeeping as it is, its upload a copy in host memory (no GPU here)."""
+
+    uploads = 0
+
+    def _upload(self, segment, index):
+        self.uploads += 1
+        return segment.kv.clone(), None
+
+
+def _segment(seed: int) -> SourceSegment:
+    return SourceSegment(_kv(seed), torch.arange(T), None)
+
+
+def test_device_tier_keeps_copies_of_current_originals_only():
+    host = HostOriginals(1 << 20)
+    tier = _CountingUploads(1 << 20, is_current=lambda key, seg: host.get_many((key,))[0] is seg)
+    device = torch.device("cuda", 0)
+    host.put("a", _segment(1))
+    seg = host.get("a")
+    first = tier.get("a", seg, device)
+    assert first is not None and tier.get("a", seg, device) is first and tier.uploads == 1  # kept, reused
+    host.put("b", _segment(2))
+    looked_up = host.get("b")  # a restore's lookup ...
+    assert host.delete("b") and tier.drop("b") == 0  # ... an evict (host first, then device copies) ...
+    assert tier.get("b", looked_up, device) is None  # ... then the restore's first use: not kept
+    assert tier.stats()["device_keys"] == 1 and tier.stats()["device_bytes"] == seg.nbytes
+    stray = _segment(3)  # a store original the host tier did not take
+    assert tier.get("c", stray, device) is None and tier.stats()["device_keys"] == 1
+
+
+def test_evict_between_a_restores_lookup_and_its_first_use_leaves_no_device_copy(tmp_path):
+    svc = _Service(ServiceConfig(socket_path=str(tmp_path / "s.sock")))
+    svc.device_originals.__class__ = _CountingUploads  # the service's own tier and is_current, no GPU
+    svc.sources.put("k", _segment(4))
+    segs = svc.sources.get_many(["k"])  # the restore has looked it up, holds nothing yet
+    reply, _ = svc.op_evict({"key": "k"}, b"", None, 0)
+    assert reply == {"key": "k", "evicted": True}
+    assert svc.device_originals.get_many(["k"], segs, torch.device("cuda", 0)) == [None]
+    assert svc.device_originals.stats()["device_keys"] == 0
+    svc.sources.put("k", _segment(5))  # published again: its copy is kept
+    fresh = svc.sources.get_many(["k"])
+    assert svc.device_originals.get_many(["k"], fresh, torch.device("cuda", 0))[0] is not None
+    assert svc.device_originals.stats()["device_keys"] == 1
+
+
+def test_restore_first_use_right_after_the_evicts_device_drop_keeps_no_copy(tmp_path):
+    """The other interleaving: the restore's first use lands just after evict dropped the device
+    copies. The host tier must already have let the key go by then (evict deletes it first)."""
+    svc = _Service(ServiceConfig(socket_path=str(tmp_path / "s.sock")))
+    tier = svc.device_originals
+    tier.__class__ = _CountingUploads
+    svc.sources.put("k", _segment(6))
+    segs = svc.sources.get_many(["k"])
+    seen = []
+    real_drop = tier.drop
+
+    def drop_then_restore(key):
+        n = real_drop(key)
+        seen.append(tier.get_many([key], segs, torch.device("cuda", 0))[0])
+        return n
+
+    tier.drop = drop_then_restore
+    assert svc.op_evict({"key": "k"}, b"", None, 0)[0]["evicted"] is True
+    assert seen == [None] and tier.stats()["device_keys"] == 0
