@@ -30,7 +30,9 @@ from kmesh_gpu import _launch  # driver-level event records
 from kmesh_gpu.errors import KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
 from . import protocol
+from . import vmm
 from .memory import MemoryHandle, SharedCache, export_cuda
+from .vmm import VmmCache
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,15 @@ def _ints(name: str, values) -> list[int]:
 
 _I8 = np.dtype("<i8")
 _TENSOR, _TORCH_I8 = torch.Tensor, torch.int64
+
+
+def _vmm_possible() -> bool:
+    """Whether this process can tell virtual-memory (cuMemCreate) CUDA memory apart (cuda.bindings)."""
+    try:
+        vmm.driver()
+    except KmeshError:
+        return False
+    return True
 
 
 def _int64(name: str, values) -> np.ndarray:
@@ -168,24 +179,25 @@ class CacheClient:
         """Send one request and return its reply; a typed error reply is raised as its class."""
         return self._call(dict(header), body)
 
-    def _call(self, header: dict, body: bytes = b"", *, event_for=None) -> protocol.Message:
+    def _call(self, header: dict, body: bytes = b"", *, event_for=None, after=None) -> protocol.Message:
         """One JSON request and its reply. ``event_for``: a GPU registration whose event is recorded
         (and named in ``wait_event``) under the connection lock, so no other request of this
-        connection can re-record it before the service has queued its wait on it."""
+        connection can re-record it before the service has queued its wait on it. ``after(sock)``:
+        sends what follows the frame on the socket (a register's descriptors), before the reply is read."""
         def build(rid, event):
             header["id"] = rid
             if event is not None:
                 header["wait_event"] = event.hex()
             return [protocol.encode(header, body, max_body_bytes=self.max_body_bytes)]
 
-        rid, flags, buf, reply_body = self._exchange(header.get("op"), build, event_for)
+        rid, flags, buf, reply_body = self._exchange(header.get("op"), build, event_for, after=after)
         if flags & protocol.FLAG_BINARY:
             raise ProtocolError(f"reply to {header.get('op')!r}: a binary frame where JSON was expected")
         reply = protocol.Message(protocol.decode_header(memoryview(buf)[:len(buf) - len(reply_body)]), reply_body)
         self._check_reply(reply.header, rid)
         return reply
 
-    def _exchange(self, op: str, build, event_for=None, stamps: dict | None = None):
+    def _exchange(self, op: str, build, event_for=None, stamps: dict | None = None, after=None):
         """Send the frame ``build(request id, event handle or None)`` returns (a list of buffers)
         and read the reply frame: ``(request id, flags, buffer, body)``. ``stamps``: client-side
         timestamps ``built``, ``sent``, ``received`` (monotonic ns)."""
@@ -199,6 +211,8 @@ class CacheClient:
                 stamps["built"] = time.monotonic_ns()
             try:
                 protocol.send_parts(self._sock, parts)
+                if after is not None:
+                    after(self._sock)
                 sent = time.monotonic_ns()
                 spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
                 flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes,
@@ -341,19 +355,35 @@ class CacheClient:
         ``cache``: the whole allocation described by ``layout`` (``physical_shape``, ``layout.dtype``).
         ``rope``: the model's ``kmesh_gpu.RopeSpec``, needed to restore with ``new_positions``.
         """
+        chunks = None  # cuda_vmm: the chunks' handles, exported as descriptors after the frame
         if isinstance(cache, SharedCache):
             handle, tensor = cache.handle, cache.tensor
-        elif isinstance(cache, torch.Tensor) and cache.device.type == "cuda":
-            if tuple(cache.shape) != tuple(layout.physical_shape) or cache.dtype != layout.dtype:
+        elif isinstance(cache, VmmCache) or (isinstance(cache, torch.Tensor) and cache.device.type == "cuda"):
+            tensor = cache.tensor if isinstance(cache, VmmCache) else cache
+            if tuple(tensor.shape) != tuple(layout.physical_shape) or tensor.dtype != layout.dtype:
                 raise LayoutError(f"cache: expected {list(layout.physical_shape)} {layout.dtype}, got "
-                                  f"{list(cache.shape)} {cache.dtype}")
-            handle, tensor = export_cuda(cache), cache
+                                  f"{list(tensor.shape)} {tensor.dtype}")
+            if isinstance(cache, VmmCache):
+                handle, chunks = vmm.export(tensor, cache.device, cache.driver)
+            else:
+                device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+                found = vmm.export(tensor, device) if tensor.is_contiguous() and _vmm_possible() else None
+                handle, chunks = found if found is not None else (export_cuda(tensor), None)
         else:
-            raise LayoutError("cache: expected a CUDA tensor or a SharedCache (CPU caches must live in shared memory)")
+            raise LayoutError("cache: expected a CUDA tensor, a VmmCache or a SharedCache (CPU caches must live in "
+                              "shared memory)")
         header = {"op": "register", "memory": handle.to_dict(), "layout": layout.to_dict(), "instance": int(instance)}
         if rope is not None:
             header["rope"] = rope.to_dict()
-        h = self.call(header).header
+        if chunks is None:
+            h = self.call(header).header
+        else:
+            drv = cache.driver if isinstance(cache, VmmCache) else vmm.driver()
+            header["fds"] = len(chunks)
+            try:
+                h = self._call(header, after=lambda sock: vmm.send_fd_batches(sock, drv, chunks)).header
+            finally:
+                vmm.release_all(drv, chunks)
         return Registration(protocol.field(h, "reg", int), protocol.field(h, "generation", int),
                             protocol.field(h, "secret", str), layout, handle, tensor)
 

@@ -9,8 +9,9 @@ Kinds of handle (:class:`MemoryHandle`):
 * ``"shm"`` — a CPU cache in POSIX shared memory (:class:`SharedCache`), so that the whole
   service path runs on machines without a GPU.
 
-Virtual-memory (``cuMemCreate``) allocations exported as POSIX file descriptors are not supported
-by this module; registering one is refused with a :class:`ProtocolError` naming the kind.
+* ``"cuda_vmm"`` — virtual-memory (``cuMemCreate``) allocations, PyTorch's expandable segments
+  among them: each physical chunk under the cache exported as a POSIX file descriptor, sent over
+  the socket after the register frame and mapped side by side in the service (:mod:`.vmm`).
 
 Ownership: the client allocates and frees its cache. The service maps it in :func:`open_handle`
 and unmaps it (``close``) only when the registry has released the registration, that is after
@@ -31,7 +32,7 @@ import torch
 
 from kmesh_gpu.errors import KmeshError, LayoutError, ProtocolError
 
-HANDLE_KINDS = ("shm", "cuda_ipc")
+HANDLE_KINDS = ("shm", "cuda_ipc", "cuda_vmm")
 CUDA_IPC_HANDLE_BYTES = 64
 _MAX_SHM_NAME = 250
 _SHM_DIR = "/dev/shm"
@@ -43,9 +44,11 @@ class MemoryHandle:
     """Descriptor of one exported cache allocation (sent to the service in the register request).
 
     Attributes:
-        kind: ``"shm"`` or ``"cuda_ipc"``.
-        handle: shm: the segment name (UTF-8); cuda_ipc: the 64-byte ``cudaIpcMemHandle_t``.
-        offset: byte offset of the cache tensor's first element inside the exported allocation.
+        kind: ``"shm"``, ``"cuda_ipc"`` or ``"cuda_vmm"``.
+        handle: shm: the segment name (UTF-8); cuda_ipc: the 64-byte ``cudaIpcMemHandle_t``;
+            cuda_vmm: the sizes of the chunks under the cache (uint64 each, in address order).
+        offset: byte offset of the cache tensor's first element inside the exported allocation
+            (cuda_vmm: from the first chunk's start).
         nbytes: bytes of the cache tensor (``prod(layout.physical_shape) * itemsize``).
         device: CUDA device ordinal, ``-1`` for host memory.
     """
@@ -86,6 +89,12 @@ class MemoryHandle:
             raise ProtocolError("memory: a shm handle is a non-empty name on device -1")
         if kind == "cuda_ipc" and (len(raw) != CUDA_IPC_HANDLE_BYTES or device < 0):
             raise ProtocolError(f"memory: a cuda_ipc handle is {CUDA_IPC_HANDLE_BYTES} bytes on a device >= 0")
+        if kind == "cuda_vmm":
+            from .vmm import decode_sizes
+
+            if device < 0:
+                raise ProtocolError("memory: a cuda_vmm handle is on a device >= 0")
+            decode_sizes(raw)
         return cls(kind, raw, offset, nbytes, device)
 
 
@@ -289,8 +298,13 @@ class DeviceMappings:
         return len(self._open)
 
 
-def open_handle(h: MemoryHandle, device_mappings: DeviceMappings) -> Mapping:
-    """Map a client's allocation into this process (service side)."""
+def open_handle(h: MemoryHandle, device_mappings: DeviceMappings, fds=None) -> Mapping:
+    """Map a client's allocation into this process (service side). ``fds``: the request's
+    :class:`~.vmm.FdStream` (cuda_vmm: the chunks' descriptors, read here)."""
+    if h.kind == "cuda_vmm":
+        from .vmm import FdStream, VmmMapping
+
+        return VmmMapping(h, fds if fds is not None else FdStream(None, 0, None))
     if h.kind == "shm":
         return _ShmMapping(h)
     if h.kind == "cuda_ipc":

@@ -577,9 +577,27 @@ class _Service:
         return {"key": key, "evicted": evicted}, b""
 
     def op_register(self, h, body, peer, conn_id):
+        # descriptors announced by the request (cuda_vmm chunks) follow its frame on the socket:
+        # read by the mapping, or drained here when the request fails before, so the stream stays in step
+        from .vmm import MAX_CHUNKS, FdStream
+
+        nfds = protocol.field(h, "fds", int, optional=True, default=0)
+        if not 0 <= nfds <= MAX_CHUNKS:
+            raise ProtocolError(f"fds: {nfds} outside 0..{MAX_CHUNKS}")
+        with self._lock:
+            sock = self._conns.get(conn_id)
+        fds = FdStream(sock, nfds, self.config.frame_timeout_s)
+        try:
+            return self._register(h, peer, conn_id, fds)
+        finally:
+            fds.drain()
+
+    def _register(self, h, peer, conn_id, fds):
         from kmesh_gpu import KVLayout, RopeSpec
 
         handle = MemoryHandle.from_dict(protocol.field(h, "memory", dict))
+        if handle.kind != "cuda_vmm" and fds.count:
+            raise ProtocolError(f"fds: {fds.count} file descriptors announced for {handle.kind!r} memory")
         layout_d = protocol.field(h, "layout", dict)
         rope_d = protocol.field(h, "rope", dict, optional=True)
         try:
@@ -600,7 +618,7 @@ class _Service:
         if rope is not None and rope.head_size != layout.head_size:
             raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
         _compiled.compiled()  # compiled (or loaded) now, not by the registration's first restore
-        mapping = open_handle(handle, self.device_mappings)
+        mapping = open_handle(handle, self.device_mappings, fds)
         try:
             cache = mapping.cache(layout)
             # looked up once: a tensor's device is a new object at every ask
