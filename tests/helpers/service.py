@@ -114,6 +114,23 @@ def child_register_then_hang(socket_path: str, instance: int, refuse_waits: int,
     time.sleep(600)
 
 
+def child_register_vmm_then_hang(socket_path: str, chunks: int, out) -> None:
+    """A worker that registers a virtual-memory cache of ``chunks`` chunks (the host-memory
+    stand-in driver) and hangs with it registered (the test kills it)."""
+    from kmesh_gpu import KVLayout
+    from kmesh_host.service import CacheClient
+    from kmesh_host.service.vmm import VmmCache
+    from tests.helpers.fake_vmm import GRANULARITY, FakeVmm
+
+    layout = KVLayout.from_vllm("NHD", num_layers=2, num_blocks=chunks * GRANULARITY // 2048, block_size=16,
+                                num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    cache = VmmCache(layout, chunk_bytes=GRANULARITY, fill=0, drv=FakeVmm())
+    c = CacheClient(socket_path, timeout=30)
+    reg = c.register(cache, layout)
+    out.put({"reg": reg.reg_id})
+    time.sleep(600)
+
+
 @contextlib.contextmanager
 def running_service(*, reap_interval_s: float, receive_spin_s: float | None = None):
     """A spawned cache service with fault injection allowed, in a private socket directory."""

@@ -18,7 +18,8 @@ from kmesh_gpu.errors import KmeshError, LayoutError, ProtocolError
 from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
 from kmesh_host.service import vmm
 from tests.helpers.fake_vmm import GRANULARITY, FakeVmm
-from tests.helpers.service import registration_of, small_layout, small_rope, socket_dir
+from tests.helpers.service import (SPAWN, child_register_vmm_then_hang, join_or_kill, registration_of, small_layout,
+                                   small_rope, socket_dir, wait_for)
 
 FAKE = "tests.helpers.fake_vmm:FakeVmm"
 
@@ -215,3 +216,38 @@ def test_absurd_descriptor_counts_are_refused(vmm_service):
             with pytest.raises(ProtocolError, match="fds"):
                 _raw_register(c, layout, memory, fds)
             assert c.status()["healthy"] is True
+
+
+def test_connection_lost_before_the_descriptors_keeps_nothing_and_the_service_serves_on(vmm_service):
+    """A client that announces descriptors and disconnects before sending them: the register fails
+    (nothing to reply to), nothing is mapped or kept, and other clients are served."""
+    layout = _layout(32)
+    memory = {"kind": "cuda_vmm", "handle": vmm.encode_sizes([GRANULARITY] * 3).hex(), "offset": 0,
+              "nbytes": 2 * 2 * 32 * 16 * 2 * 8 * 2, "device": 0}
+
+    def send_one_batch_then_close(sock):  # one descriptor of three, then the connection ends
+        _send_memfds(1)(sock)
+        sock.shutdown(socket.SHUT_WR)
+
+    with CacheClient(vmm_service.socket_path) as c:
+        with pytest.raises(KmeshError):
+            _raw_register(c, layout, memory, 3, send_one_batch_then_close)
+    with CacheClient(vmm_service.socket_path) as other:
+        st = other.status()
+        assert st["healthy"] is True and not st["registrations"]
+    assert _chunks_held(vmm_service.pid) == (0, 0)
+
+
+def test_killed_worker_with_a_vmm_registration_is_reaped_and_its_chunks_unmapped(vmm_service):
+    out = SPAWN.Queue()
+    proc = SPAWN.Process(target=child_register_vmm_then_hang, args=(vmm_service.socket_path, 5, out))
+    proc.start()
+    try:
+        got = out.get(timeout=60)
+        assert _chunks_held(vmm_service.pid)[1] == 5
+    finally:
+        proc.kill()
+        join_or_kill(proc)
+    with CacheClient(vmm_service.socket_path) as c:
+        wait_for(lambda: registration_of(c.status(), got["reg"]) is None)
+    wait_for(lambda: _chunks_held(vmm_service.pid) == (0, 0))
