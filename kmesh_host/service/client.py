@@ -98,13 +98,23 @@ _I8 = np.dtype("<i8")
 _TENSOR, _TORCH_I8 = torch.Tensor, torch.int64
 
 
-def _vmm_possible() -> bool:
-    """Whether this process can tell virtual-memory (cuMemCreate) CUDA memory apart (cuda.bindings)."""
+def _vmm_export(tensor: torch.Tensor, device: int):
+    """``vmm.export`` of a CUDA tensor in virtual (cuMemCreate) memory; ``None`` for other memory
+    (CUDA IPC then), and also where this process cannot tell (no cuda.bindings) or the driver's
+    virtual-memory queries fail unexpectedly: ``cudaMalloc`` memory keeps registering through CUDA
+    IPC whatever happens here. A chunk that cannot be exported is a :class:`LayoutError`."""
+    if not tensor.is_contiguous():
+        return None
     try:
-        vmm.driver()
+        drv = vmm.driver()
     except KmeshError:
-        return False
-    return True
+        return None
+    try:
+        return vmm.export(tensor, device, drv)
+    except KmeshError:
+        raise
+    except Exception:  # noqa: BLE001 - detection only; CUDA IPC export reports its own errors
+        return None
 
 
 def _int64(name: str, values) -> np.ndarray:
@@ -367,7 +377,7 @@ class CacheClient:
                 handle, chunks = vmm.export(tensor, cache.device, cache.driver)
             else:
                 device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-                found = vmm.export(tensor, device) if tensor.is_contiguous() and _vmm_possible() else None
+                found = _vmm_export(tensor, device)
                 handle, chunks = found if found is not None else (export_cuda(tensor), None)
         else:
             raise LayoutError("cache: expected a CUDA tensor, a VmmCache or a SharedCache (CPU caches must live in "

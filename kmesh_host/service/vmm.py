@@ -88,6 +88,7 @@ class CudaVmm:
             raise KmeshError("cuda_vmm memory needs the cuda-bindings package (cuda.bindings.driver)") from exc
         self.cu = cu
         self._fd_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._contexts: dict[int, object] = {}
 
     def _ok(self, result, what: str):
         err, *rest = result
@@ -96,14 +97,16 @@ class CudaVmm:
         return rest[0] if len(rest) == 1 else rest
 
     def context(self, device: int) -> None:
-        """Make ``device``'s primary context (torch's and CuPy's) current on this thread."""
-        torch.cuda.synchronize(device)  # the primary context exists from here on
-        dev = self._ok(self.cu.cuDeviceGet(device), "cuDeviceGet")
-        ctx = self._ok(self.cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        try:
-            self._ok(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        finally:
-            self.cu.cuDevicePrimaryCtxRelease(dev)  # torch keeps its own reference
+        """Make ``device``'s primary context (torch's and CuPy's) current on this thread. The context
+        is retained once per process and device and never released here: a release could destroy it
+        under torch where torch has not used that device yet."""
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            self._ok(self.cu.cuInit(0), "cuInit")
+            dev = self._ok(self.cu.cuDeviceGet(device), "cuDeviceGet")
+            ctx = self._contexts.setdefault(device, self._ok(self.cu.cuDevicePrimaryCtxRetain(dev),
+                                                              "cuDevicePrimaryCtxRetain"))
+        self._ok(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def retain(self, addr: int):
         """The handle of the chunk mapped at ``addr``, or ``None`` where none is (not VMM memory)."""
@@ -117,8 +120,16 @@ class CudaVmm:
         self._ok(self.cu.cuMemRelease(h), "cuMemRelease")
 
     def exportable(self, h) -> bool:
-        prop = self._ok(self.cu.cuMemGetAllocationPropertiesFromHandle(h), "cuMemGetAllocationPropertiesFromHandle")
-        return bool(int(prop.requestedHandleTypes) & int(self._fd_type))
+        try:
+            prop = self._ok(self.cu.cuMemGetAllocationPropertiesFromHandle(h),
+                            "cuMemGetAllocationPropertiesFromHandle")
+            return bool(int(prop.requestedHandleTypes) & int(self._fd_type))
+        except (ValueError, TypeError):  # a combination of handle types the binding has no enum member for
+            try:
+                os.close(self.export_fd(h))  # the driver's own answer
+                return True
+            except LayoutError:
+                return False
 
     def granularity(self, h) -> int:
         prop = self._ok(self.cu.cuMemGetAllocationPropertiesFromHandle(h), "cuMemGetAllocationPropertiesFromHandle")
@@ -319,6 +330,8 @@ def export(tensor: torch.Tensor, device: int, drv=None):
     """``(MemoryHandle, handles)`` for a tensor in VMM memory (the handles: one reference each,
     released by :func:`release_all`), or ``None`` where it is not VMM memory."""
     drv = drv or driver()
+    if drv.requires_cuda:
+        drv.context(device)
     ptr = tensor.data_ptr()
     nbytes = tensor.numel() * tensor.element_size()
     found = find_chunks(drv, ptr, nbytes)
