@@ -27,14 +27,6 @@ I64 = np.iinfo(np.int64)
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    c = _compiled.compiled()
-    if c is None:
-        pytest.fail("Numba is a dependency: the service's compiled passes must be available")
-    return c
-
-
-@pytest.fixture(scope="module")
 def build():
     b = _host_tables.builder()
     if b is None:

@@ -6,19 +6,10 @@ release change exactly what the NumPy semantics change; bad arguments give codes
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kmesh_gpu.errors import LayoutError
 from kmesh_host.service import _compiled
 from kmesh_host.service.registry import Registry
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    c = _compiled.compiled()
-    if c is None:
-        pytest.fail("Numba is a dependency: the service's compiled passes must be available")
-    return c
 
 
 class _Reg:
