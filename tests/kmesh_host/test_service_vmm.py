@@ -106,10 +106,10 @@ def test_chunk_sizes_are_validated_as_they_arrive():
 
 
 # ---------------------------------------------------------------------------------- through the service
-@pytest.fixture
-def vmm_service(monkeypatch):
-    monkeypatch.setenv("KMESH_VMM_DRIVER", FAKE)  # the spawned service process maps with the stand-in
-    with socket_dir() as d:
+@pytest.fixture(scope="module")
+def vmm_service():
+    with pytest.MonkeyPatch.context() as mp, socket_dir() as d:
+        mp.setenv("KMESH_VMM_DRIVER", FAKE)  # the spawned service process maps with the stand-in
         cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), receive_spin_s=0.0,
                             reap_interval_s=0.02, frame_timeout_s=1.0)
         with CacheService(cfg) as svc:
@@ -139,13 +139,14 @@ def test_restore_into_a_vmm_cache_lands_in_the_clients_pages(vmm_service, chunks
     with CacheClient(vmm_service.socket_path) as c, \
             vmm.VmmCache(layout, chunk_bytes=GRANULARITY, fill=0, drv=drv) as cache, \
             SharedCache(layout, fill=0) as ref:
-        c.put("seg", kv, torch.arange(20))
+        key = f"seg-{chunks}"
+        c.put(key, kv, torch.arange(20))
         reg = c.register(cache, layout, rope=rope)
         assert registration_of(c.status(), reg.reg_id)["state"] == "open"
         assert _chunks_held(vmm_service.pid)[1] == chunks  # every chunk mapped there
-        c.restore(reg, [("seg", slots, list(range(100, 120)))])
+        c.restore(reg, [(key, slots, list(range(100, 120)))])
         ref_reg = c.register(ref, layout, rope=rope)  # the same restore into shared memory
-        c.restore(ref_reg, [("seg", slots, list(range(100, 120)))])
+        c.restore(ref_reg, [(key, slots, list(range(100, 120)))])
         assert torch.equal(cache.tensor.view(torch.uint8), ref.tensor.view(torch.uint8))
         assert bool(cache.tensor.view(torch.uint8).any())
         assert c.close_registration(reg) is True and c.close_registration(ref_reg) is True
