@@ -252,3 +252,28 @@ def test_killed_worker_with_a_vmm_registration_is_reaped_and_its_chunks_unmapped
     with CacheClient(vmm_service.socket_path) as c:
         wait_for(lambda: registration_of(c.status(), got["reg"]) is None)
     wait_for(lambda: _chunks_held(vmm_service.pid) == (0, 0))
+
+
+def test_descriptors_nobody_announced_never_stay_in_the_service(vmm_service):
+    """Descriptors sent outside a register that announced them: on a frame's own bytes, or as a
+    batch of their own between frames. The kernel closes them when the service reads those bytes
+    without asking for descriptors; a batch between frames breaks the framing, so that connection
+    is closed with a typed error, and the service serves on."""
+    with CacheClient(vmm_service.socket_path) as c:
+        _send_memfds(3)(c._sock)  # a stray batch before the next frame
+        with pytest.raises(KmeshError):
+            c.status()
+    from kmesh_host.service import protocol
+
+    with CacheClient(vmm_service.socket_path) as c:
+        fds = [os.memfd_create("kmesh-fake-vmm") for _ in range(2)]
+        try:  # a status frame with descriptors on its own bytes
+            socket.send_fds(c._sock, [protocol.encode({"op": "status", "id": 1})], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        flags, buf, body = protocol.read_frame(c._sock)
+        assert protocol.decode_header(memoryview(buf)[:len(buf) - len(body)])["ok"] is True
+    with CacheClient(vmm_service.socket_path) as c:
+        assert c.status()["healthy"] is True
+    wait_for(lambda: _chunks_held(vmm_service.pid) == (0, 0))
