@@ -67,6 +67,8 @@ def test_expandable_segments_tensor_registers_as_vmm(service):
     is found to be virtual memory and registered through its chunks' descriptors."""
     from kmesh_host.service import CacheClient
 
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached cudaMalloc block may serve the allocation below
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     try:
         layout = _layout(16384)  # 32 MiB: a new segment
