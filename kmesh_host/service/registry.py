@@ -120,7 +120,8 @@ class Registration:
 
     def describe(self) -> dict:
         return {"reg": self.reg_id, "generation": self.generation, "instance": self.instance, "pid": self.identity.pid,
-                "state": self.state, "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
+                "state": self.state, "memory": self.handle_key.split(b"|", 1)[0].decode("ascii", "replace"),
+                "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
                 "held_blocks": np.flatnonzero(self.holders).tolist(), "pending_ops": sorted(self.ops)}
 
 

@@ -142,10 +142,12 @@ def test_restore_into_a_vmm_cache_lands_in_the_clients_pages(vmm_service, chunks
         key = f"seg-{chunks}"
         c.put(key, kv, torch.arange(20))
         reg = c.register(cache, layout, rope=rope)
-        assert registration_of(c.status(), reg.reg_id)["state"] == "open"
+        described = registration_of(c.status(), reg.reg_id)
+        assert described["state"] == "open" and described["memory"] == "cuda_vmm"
         assert _chunks_held(vmm_service.pid)[1] == chunks  # every chunk mapped there
         c.restore(reg, [(key, slots, list(range(100, 120)))])
         ref_reg = c.register(ref, layout, rope=rope)  # the same restore into shared memory
+        assert registration_of(c.status(), ref_reg.reg_id)["memory"] == "shm"
         c.restore(ref_reg, [(key, slots, list(range(100, 120)))])
         assert torch.equal(cache.tensor.view(torch.uint8), ref.tensor.view(torch.uint8))
         assert bool(cache.tensor.view(torch.uint8).any())
