@@ -61,8 +61,8 @@ class Registration:
     generation: int
     secret: str
     layout: object
-    handle: MemoryHandle
-    cache: torch.Tensor = field(repr=False)
+    handle: MemoryHandle  # a list of them for a per-layer registration
+    cache: torch.Tensor = field(repr=False)  # a list of per-layer tensors for a per-layer registration
     #: the cache's device; CUDA memory: requests carry the client's interprocess event
     device: torch.device = field(init=False, repr=False)
     is_cuda: bool = field(init=False, repr=False)
@@ -73,7 +73,7 @@ class Registration:
 
     def __post_init__(self):
         # looked up once: every restore needs both, and a tensor's device is not free to ask for
-        self.device = self.cache.device
+        self.device = (self.cache[0] if isinstance(self.cache, list) else self.cache).device
         self.is_cuda = self.device.type == "cuda"
         self.device_index = self.device.index
         try:
@@ -115,6 +115,33 @@ def _vmm_export(tensor: torch.Tensor, device: int):
         raise
     except Exception:  # noqa: BLE001 - detection only; CUDA IPC export reports its own errors
         return None
+
+
+def _export_one(cache, layout, name: str):
+    """``(handle, tensor, VMM chunk handles or None, their driver or None)`` of one allocation of
+    ``layout``'s physical shape: a SharedCache, a VmmCache or a CUDA tensor."""
+    if isinstance(cache, SharedCache):
+        tensor = cache.tensor
+    elif isinstance(cache, VmmCache):
+        tensor = cache.tensor
+    elif isinstance(cache, torch.Tensor) and cache.device.type == "cuda":
+        tensor = cache
+    else:
+        raise LayoutError(f"{name}: expected a CUDA tensor, a VmmCache or a SharedCache (CPU caches must live in "
+                          f"shared memory), got {type(cache).__name__}")
+    if tuple(tensor.shape) != tuple(layout.physical_shape) or tensor.dtype != layout.dtype:
+        raise LayoutError(f"{name}: expected {list(layout.physical_shape)} {layout.dtype}, got "
+                          f"{list(tensor.shape)} {tensor.dtype}")
+    if isinstance(cache, SharedCache):
+        return cache.handle, tensor, None, None
+    if isinstance(cache, VmmCache):
+        handle, chunks = vmm.export(tensor, cache.device, cache.driver)
+        return handle, tensor, chunks, cache.driver
+    device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    found = _vmm_export(tensor, device)
+    if found is not None:
+        return found[0], tensor, found[1], vmm.driver()
+    return export_cuda(tensor), tensor, None, None
 
 
 def _int64(name: str, values) -> np.ndarray:
@@ -360,40 +387,46 @@ class CacheClient:
 
     # ------------------------------------------------------------------ registrations
     def register(self, cache, layout, *, instance: int = 0, rope=None) -> Registration:
-        """Register a cache the service may write: a CUDA tensor (CUDA IPC) or a :class:`SharedCache`.
+        """Register a cache the service may write: a CUDA tensor (CUDA IPC, or its chunks' file
+        descriptors where it lies in virtual memory), a :class:`VmmCache` or a :class:`SharedCache`
+        — or a list of ``layout.num_layers`` of them, one allocation per layer (what vLLM allocates),
+        each of ``layout.per_layer().physical_shape``.
 
         ``cache``: the whole allocation described by ``layout`` (``physical_shape``, ``layout.dtype``).
         ``rope``: the model's ``kmesh_gpu.RopeSpec``, needed to restore with ``new_positions``.
         """
-        chunks = None  # cuda_vmm: the chunks' handles, exported as descriptors after the frame
-        if isinstance(cache, SharedCache):
-            handle, tensor = cache.handle, cache.tensor
-        elif isinstance(cache, VmmCache) or (isinstance(cache, torch.Tensor) and cache.device.type == "cuda"):
-            tensor = cache.tensor if isinstance(cache, VmmCache) else cache
-            if tuple(tensor.shape) != tuple(layout.physical_shape) or tensor.dtype != layout.dtype:
-                raise LayoutError(f"cache: expected {list(layout.physical_shape)} {layout.dtype}, got "
-                                  f"{list(tensor.shape)} {tensor.dtype}")
-            if isinstance(cache, VmmCache):
-                handle, chunks = vmm.export(tensor, cache.device, cache.driver)
+        per_layer = isinstance(cache, (list, tuple))
+        if per_layer and len(cache) != layout.num_layers:
+            raise LayoutError(f"cache: {len(cache)} per-layer allocations for a layout of {layout.num_layers} layers")
+        view = layout.per_layer() if per_layer else layout
+        parts = []  # (handle, tensor, chunks or None, driver or None) per allocation
+        try:
+            for i, c in enumerate(cache if per_layer else [cache]):
+                parts.append(_export_one(c, view, f"cache[{i}]" if per_layer else "cache"))
+            header = {"op": "register", "layout": layout.to_dict(), "instance": int(instance)}
+            if per_layer:
+                header["layers"] = [p[0].to_dict() for p in parts]
             else:
-                device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-                found = _vmm_export(tensor, device)
-                handle, chunks = found if found is not None else (export_cuda(tensor), None)
-        else:
-            raise LayoutError("cache: expected a CUDA tensor, a VmmCache or a SharedCache (CPU caches must live in "
-                              "shared memory)")
-        header = {"op": "register", "memory": handle.to_dict(), "layout": layout.to_dict(), "instance": int(instance)}
-        if rope is not None:
-            header["rope"] = rope.to_dict()
-        if chunks is None:
-            h = self.call(header).header
-        else:
-            drv = cache.driver if isinstance(cache, VmmCache) else vmm.driver()
-            header["fds"] = len(chunks)
-            try:
-                h = self._call(header, after=lambda sock: vmm.send_fd_batches(sock, drv, chunks)).header
-            finally:
-                vmm.release_all(drv, chunks)
+                header["memory"] = parts[0][0].to_dict()
+            if rope is not None:
+                header["rope"] = rope.to_dict()
+            sent = [(drv, chunks) for _, _, chunks, drv in parts if chunks is not None]
+            if not sent:
+                h = self.call(header).header
+            else:
+                header["fds"] = sum(len(chunks) for _, chunks in sent)
+
+                def send_descriptors(sock):  # each allocation's in messages of their own, in order
+                    for drv, chunks in sent:
+                        vmm.send_fd_batches(sock, drv, chunks)
+
+                h = self._call(header, after=send_descriptors).header
+        finally:
+            for _, _, chunks, drv in parts:
+                if chunks is not None:
+                    vmm.release_all(drv, chunks)
+        handle = [p[0] for p in parts] if per_layer else parts[0][0]
+        tensor = [p[1] for p in parts] if per_layer else parts[0][1]
         return Registration(protocol.field(h, "reg", int), protocol.field(h, "generation", int),
                             protocol.field(h, "secret", str), layout, handle, tensor)
 

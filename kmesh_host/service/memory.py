@@ -202,6 +202,18 @@ class Mapping(ABC):
         return self.tensor.view(layout.dtype).reshape(layout.physical_shape)
 
 
+class LayerMappings(Mapping):
+    """The mappings of a per-layer registration (one allocation per layer), closed together."""
+
+    def __init__(self, mappings: list[Mapping]):
+        self.mappings = mappings
+        self.tensor = None  # each layer's tensor is its own mapping's
+
+    def close(self) -> None:
+        for m in self.mappings:
+            m.close()
+
+
 class _ShmMapping(Mapping):
     """Maps the client's segment directly from ``/dev/shm``: attaching through
     ``multiprocessing.shared_memory`` would enrol the segment with a resource tracker (shared with

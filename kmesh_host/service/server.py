@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 import os
 import socket
 import sys
@@ -61,7 +62,7 @@ from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError
 from .._streams import _ids, on_stream
 from . import _compiled, protocol
 from .completions import CudaEventCompletion, RefusingCompletion
-from .memory import DeviceMappings, MemoryHandle, open_handle
+from .memory import DeviceMappings, LayerMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
 from .restore_plan import _item_plan, _restore_blocks
 from .sockets import bind_socket, check_peer, name_native_thread, peer_identity
@@ -595,9 +596,21 @@ class _Service:
     def _register(self, h, peer, conn_id, fds):
         from kmesh_gpu import KVLayout, RopeSpec
 
-        handle = MemoryHandle.from_dict(protocol.field(h, "memory", dict))
-        if handle.kind != "cuda_vmm" and fds.count:
-            raise ProtocolError(f"fds: {fds.count} file descriptors announced for {handle.kind!r} memory")
+        # one allocation holding every layer ("memory"), or one per layer ("layers", in layer order:
+        # what vLLM allocates), each mapped on its own
+        whole, layers = h.get("memory"), h.get("layers")
+        if (whole is None) == (layers is None):
+            raise ProtocolError("register: expected exactly one of 'memory' (one allocation) and 'layers' "
+                                "(one allocation per layer)")
+        if layers is not None and (not isinstance(layers, list) or not layers):
+            raise ProtocolError("layers: expected a non-empty list of memory descriptions")
+        handles = [MemoryHandle.from_dict(protocol.field(h, "memory", dict))] if layers is None else \
+            [MemoryHandle.from_dict(d) for d in layers]
+        kind, device = handles[0].kind, handles[0].device
+        if any(x.device != device for x in handles):
+            raise ProtocolError("layers: every layer's memory must be on one device")
+        if fds.count and not any(x.kind == "cuda_vmm" for x in handles):
+            raise ProtocolError(f"fds: {fds.count} file descriptors announced for {kind!r} memory")
         layout_d = protocol.field(h, "layout", dict)
         rope_d = protocol.field(h, "rope", dict, optional=True)
         try:
@@ -608,32 +621,44 @@ class _Service:
         except (ValueError, TypeError, OverflowError) as exc:
             raise LayoutError(f"layout/rope: malformed description ({type(exc).__name__}: {exc})") from exc
         instance = protocol.field(h, "instance", int, optional=True, default=0)
-        itemsize = torch.empty((), dtype=layout.dtype).element_size()
-        need = 1
-        for s in layout.physical_shape:
-            need *= s
-        if need * itemsize != handle.nbytes:
-            raise LayoutError(f"memory.nbytes: {handle.nbytes} bytes registered, the layout's physical shape "
-                              f"{list(layout.physical_shape)} of {layout.dtype} needs {need * itemsize}")
+        if layers is not None and len(handles) != layout.num_layers:
+            raise LayoutError(f"layers: {len(handles)} allocations for a layout of {layout.num_layers} layers")
+        view = layout if layers is None else layout.per_layer()  # what each allocation holds
+        need = math.prod(view.physical_shape) * torch.empty((), dtype=layout.dtype).element_size()
+        for i, x in enumerate(handles):
+            if x.nbytes != need:
+                where = "memory" if layers is None else f"layers[{i}]"
+                raise LayoutError(f"{where}.nbytes: {x.nbytes} bytes registered, the layout's physical shape "
+                                  f"{list(view.physical_shape)} of {layout.dtype} needs {need}")
         if rope is not None and rope.head_size != layout.head_size:
             raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
         _compiled.compiled()  # compiled (or loaded) now, not by the registration's first restore
-        mapping = open_handle(handle, self.device_mappings, fds)
+        mappings = []
         try:
-            cache = mapping.cache(layout)
+            for x in handles:
+                mappings.append(open_handle(x, self.device_mappings, fds))
+            if not fds.done:
+                raise ProtocolError(f"fds: {fds.left} file descriptors announced beyond the chunks of the memory")
+            mapping = mappings[0] if layers is None else LayerMappings(mappings)
+            cache = mapping.cache(layout) if layers is None else [m.cache(view) for m in mappings]
+            first = cache if layers is None else cache[0]
             # looked up once: a tensor's device is a new object at every ask
-            extra = {"cache": cache, "device": cache.device, "rope": rope, "on_cuda": cache.device.type == "cuda",
+            extra = {"cache": cache, "device": first.device, "rope": rope, "on_cuda": first.device.type == "cuda",
+                     "per_layer": layers is not None,
                      "num_positions": None if rope is None else int(rope.num_positions)}
-            if cache.device.type == "cuda":
+            if first.device.type == "cuda":
                 _launch.driver_jit()  # the compiled driver calls of placement, loaded before the first restore
-                extra["stream"] = torch.cuda.Stream(device=cache.device)
+                extra["stream"] = torch.cuda.Stream(device=first.device)
                 extra["stream_ids"] = _ids(extra["stream"])
-                extra["device_index"] = cache.device.index
+                extra["device_index"] = first.device.index
                 extra["free_events"] = []  # completion events to record again (see restore)
-            reg = self.registry.register(peer, instance=instance, handle_key=mapping.identity(handle), layout=layout,
+            identity = mapping.identity(handles[0]) if layers is None else \
+                b"%s|layers|" % kind.encode() + b"|".join(m.identity(x) for m, x in zip(mappings, handles))
+            reg = self.registry.register(peer, instance=instance, handle_key=identity, layout=layout,
                                          memory=mapping, extra=extra)
         except BaseException:
-            mapping.close()
+            for m in mappings:
+                m.close()
             raise
         self.registry.attach(reg, conn_id)
         return {"reg": reg.reg_id, "generation": reg.generation, "secret": reg.secret.hex()}, b""
@@ -682,7 +707,8 @@ class _Service:
             cache, layout, backend = extra["cache"], reg.layout, self.config.backend
             shifted, plain = plan.shifted, plan.plain
             launch = None
-            if extra["on_cuda"] and backend in ("auto", "cupy") and not (shifted and plain):
+            if extra["on_cuda"] and backend in ("auto", "cupy") and not (shifted and plain) \
+                    and not extra["per_layer"]:
                 # the usual request: the body's index arrays as they are, one compiled preparation
                 launch = _place_driver().prepare_flat(
                     kvs, cache, layout, plan.counts, req.slots, rope=extra["rope"] if shifted else None,
@@ -729,11 +755,13 @@ class _Service:
             else:
                 kv_s, slot_s = kvs, list(index[:n])
             launches.append(prepare_place_many(
-                kv_s, cache, layout, slot_s, rope=extra["rope"], old_positions=[segs[i].positions for i in shifted],
-                new_positions=list(index[n:]), backend=backend, _slots_checked=True))
+                kv_s, cache if not extra["per_layer"] else [cache] * len(kv_s), layout, slot_s, rope=extra["rope"],
+                old_positions=[segs[i].positions for i in shifted], new_positions=list(index[n:]), backend=backend,
+                _slots_checked=True))
         if plain:
-            launches.append(prepare_place_many([kvs[i] for i in plain], cache, layout, [index[i] for i in plain],
-                                               backend=backend, _slots_checked=True))
+            launches.append(prepare_place_many([kvs[i] for i in plain],
+                                               cache if not extra["per_layer"] else [cache] * len(plain), layout,
+                                               [index[i] for i in plain], backend=backend, _slots_checked=True))
         return launches
 
     def op_save(self, h, body, peer, conn_id):
@@ -771,7 +799,7 @@ class _Service:
 
         def enqueue(keepalive):
             kv = gather(cache, layout, slot_t, backend=self.config.backend)
-            if cache.device.type == "cuda":
+            if reg.extra["on_cuda"]:
                 host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
                 host.copy_(kv, non_blocking=True)
                 keepalive.extend((kv, host))

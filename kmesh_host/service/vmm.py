@@ -348,41 +348,49 @@ def release_all(drv, handles) -> None:
 
 # ---------------------------------------------------------------------------------- service side
 class FdStream:
-    """The descriptors a client sends after its register frame: ``count`` of them, in batches of
-    :data:`FDS_PER_MESSAGE` (service side; one per register request that announces ``fds``).
+    """The descriptors a client sends after its register frame: ``count`` of them (service side;
+    one per register request that announces ``fds``), in messages of at most
+    :data:`FDS_PER_MESSAGE`, each message carrying descriptors of one memory only (a per-layer
+    registration sends each layer's in its own messages).
 
-    :meth:`read` hands each to ``on_fd(fd)``, which must not keep it (each is closed right after).
-    All batches are read even when ``on_fd`` raises (the first such error is raised at the end), so
-    the connection stays in step; :meth:`drain` reads and closes whatever was not read (a request
-    refused before its memory was mapped). A batch that is missing, late or malformed raises
-    :class:`ProtocolError`; the stream is then out of step, and the connection's next read closes it.
+    :meth:`read` takes the next ``n`` and hands each to ``on_fd(fd)``, which must not keep it (each
+    is closed right after). All ``n`` are read even when ``on_fd`` raises (the first such error is
+    raised at the end), so the connection stays in step; :meth:`drain` reads and closes whatever was
+    not read (a request refused before its memory was mapped). A message that is missing, late or
+    malformed raises :class:`ProtocolError`; the stream is then out of step, and the connection's
+    next read closes it.
     """
 
     def __init__(self, sock: socket.socket | None, count: int, timeout: float | None):
         if sock is None and count:
             raise ProtocolError("memory: file descriptors announced on a connection that cannot carry them")
         self.sock, self.count, self.timeout = sock, int(count), timeout
-        self.done = count == 0
+        self.left = self.count
 
-    def read(self, on_fd) -> None:
-        if self.done:
-            raise ProtocolError("memory: the request's file descriptors were read already")
-        self.done = True
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def read(self, on_fd, n: int | None = None) -> None:
+        n = self.left if n is None else n
+        if not 0 < n <= self.left:
+            raise ProtocolError(f"memory: {n} file descriptors wanted, {self.left} of {self.count} announced are left")
         first_error = None
-        sock, count = self.sock, self.count
+        sock = self.sock
         previous = sock.gettimeout()
         sock.settimeout(self.timeout)
         try:
-            left = count
-            while left:
-                want = min(left, FDS_PER_MESSAGE)
+            got = 0
+            while got < n:
                 try:
-                    msg, fds, flags, _ = socket.recv_fds(sock, 1, want)
+                    msg, fds, flags, _ = socket.recv_fds(sock, 1, FDS_PER_MESSAGE)
                 except OSError as exc:  # socket.timeout included
-                    raise ProtocolError(f"memory: {left} of {count} file descriptors did not arrive ({exc})") from exc
+                    self.left = -1  # out of step: nothing more is read from this stream
+                    raise ProtocolError(f"memory: {n - got} of {n} file descriptors did not arrive ({exc})") from exc
                 try:
-                    if msg != FD_MARK or len(fds) != want or flags & getattr(socket, "MSG_CTRUNC", 0):
-                        raise ProtocolError(f"memory: expected a batch of {want} file descriptors, got "
+                    if msg != FD_MARK or not 0 < len(fds) <= n - got or flags & getattr(socket, "MSG_CTRUNC", 0):
+                        self.left = -1
+                        raise ProtocolError(f"memory: expected a message of 1..{n - got} file descriptors, got "
                                             f"{len(fds)} with {msg!r}")
                     for fd in fds:
                         if first_error is None:
@@ -393,7 +401,8 @@ class FdStream:
                 finally:
                     for fd in fds:
                         os.close(fd)
-                left -= want
+                got += len(fds)
+                self.left -= len(fds)
         finally:
             sock.settimeout(previous)
         if first_error is not None:
@@ -401,7 +410,7 @@ class FdStream:
 
     def drain(self) -> None:
         """Read and close the descriptors not read yet (errors ignored: the connection then closes)."""
-        if not self.done:
+        if self.left > 0:
             try:
                 self.read(lambda fd: None)
             except KmeshError:
@@ -420,8 +429,9 @@ class VmmMapping(Mapping):
 
     def __init__(self, h, fds: FdStream, drv=None):
         sizes = decode_sizes(h.handle)
-        if fds.count != len(sizes):
-            raise ProtocolError(f"memory: {len(sizes)} chunks need as many file descriptors, {fds.count} announced")
+        if fds.left < len(sizes):
+            raise ProtocolError(f"memory: {len(sizes)} chunks need as many file descriptors, {max(fds.left, 0)} of "
+                                f"{fds.count} announced are left")
         if h.offset + h.nbytes > sum(sizes):
             raise LayoutError(f"memory: offset {h.offset} + nbytes {h.nbytes} exceeds the {sum(sizes)} bytes of "
                               f"its chunks")
@@ -438,7 +448,7 @@ class VmmMapping(Mapping):
         try:
             if self.driver.requires_cuda:  # before the imports (the caller drains the descriptors if this fails)
                 self.driver.context(h.device)
-            fds.read(on_fd)
+            fds.read(on_fd, len(sizes))
             self._identity = b"cuda_vmm|%d|%s|%d|%d" % (h.device, b",".join(files), h.offset, h.nbytes)
             g = max(self.driver.granularity(x) for x in handles)
             if any(s % g for s in sizes):
