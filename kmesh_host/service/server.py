@@ -141,6 +141,21 @@ def _place_driver():
 
 
 # ---------------------------------------------------------------------------------- the service
+def _check_layers_apart(tensors, identities) -> None:
+    """A per-layer registration's allocations must be distinct memory: the same allocation twice
+    (equal identities, however it was mapped here) or overlapping address ranges would have two
+    layers written into one place."""
+    seen = {}
+    for i, ident in enumerate(identities):
+        if ident in seen:
+            raise LayoutError(f"layers[{i}]: the same memory as layers[{seen[ident]}]")
+        seen[ident] = i
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise LayoutError(f"layers[{j}]: overlaps layers[{i}]")
+
+
 class _Service:
     """Everything that runs inside the service process."""
 
@@ -641,6 +656,8 @@ class _Service:
                 raise ProtocolError(f"fds: {fds.left} file descriptors announced beyond the chunks of the memory")
             mapping = mappings[0] if layers is None else LayerMappings(mappings)
             cache = mapping.cache(layout) if layers is None else [m.cache(view) for m in mappings]
+            if layers is not None:
+                _check_layers_apart(cache, [m.identity(x) for m, x in zip(mappings, handles)])
             first = cache if layers is None else cache[0]
             # looked up once: a tensor's device is a new object at every ask
             extra = {"cache": cache, "device": first.device, "rope": rope, "on_cuda": first.device.type == "cuda",

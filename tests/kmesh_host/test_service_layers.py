@@ -134,6 +134,21 @@ def test_client_refuses_a_wrong_number_of_layers_or_a_wrong_shape(service):
             x.close()
 
 
+def test_one_allocation_given_for_two_layers_is_refused(service):
+    layout = _layout()
+    view = layout.per_layer()
+    layers = [SharedCache(view) for _ in range(L)]
+    try:
+        with CacheClient(service.socket_path) as c:
+            with pytest.raises(LayoutError, match="same memory"):
+                c.register([layers[0], layers[1], layers[0]], layout)
+            st = c.status()
+            assert st["healthy"] is True and not st["registrations"]
+    finally:
+        for x in layers:
+            x.close()
+
+
 def _send_one_fd(sock) -> None:
     fd = os.memfd_create("kmesh-fake-vmm")
     try:
