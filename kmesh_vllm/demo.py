@@ -7,7 +7,9 @@ segments at other positions after other text: it restores them from the store in
 cache (vLLM layout), shifting keys to the new positions, with every available backend, one child at a
 time and all children in one batched launch. The report says what matched:
 
-* all backends and both schedules give identical bits (``kv_max_abs_diff`` = 0.0 is required);
+* all backends and both schedules, and the cache service (a spawned process that reads the
+  segments from the same store and restores each child into the registered cache: shared memory
+  on CPU, CUDA IPC on a GPU), give identical bits (``kv_max_abs_diff`` = 0.0 is required);
 * shifted keys equal keys rotated directly at the new position within the model dtype's rounding
   (``shift_vs_direct_max_abs_diff``; exact equality is not expected, see DESIGN §2);
 * values arrive bit for bit, and nothing outside each child's slots changes;
@@ -77,7 +79,7 @@ def _plan_children(n_children: int, seg_lens: list[int], gen: torch.Generator):
 
 
 def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, segments: int = 4, seed: int = 0,
-             store_root: str | None = None) -> dict:
+             store_root: str | None = None, service: bool = True) -> dict:
     from kmesh_host import FingerprintMismatch, IntegrityError, SegmentNotFound, SegmentStore
     from kmesh_host.segment import ModelFingerprint
 
@@ -160,6 +162,12 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
         timings[f"batched_place_ms[{backend}]"] = (time.perf_counter() - t0) * 1e3
         results[(backend, "batched")] = cache
 
+    if service:  # the same children through the cache service, from the same store
+        t0 = time.perf_counter()
+        results[("service", "store")] = _through_service(root, layout, rope, fingerprint, keys, work, children,
+                                                         poison, dev, timings)
+        timings["service_total_ms"] = (time.perf_counter() - t0) * 1e3
+
     ref = results[("torch", "serial")]
     kv_max_abs_diff = max(float((r.float() - ref.float()).abs().max()) for r in results.values())
     bits_equal = all(torch.equal(r.view(torch.int16), ref.view(torch.int16)) for r in results.values())
@@ -201,6 +209,36 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
     if tmp is not None:
         tmp.cleanup()
     return report
+
+
+def _through_service(root: Path, layout: KVLayout, rope: RopeSpec, fingerprint, keys, work, children: int,
+                     poison: float, dev: torch.device, timings: dict) -> torch.Tensor:
+    """Start a cache service on the demo's store, register a poisoned cache (shared memory on CPU,
+    the CUDA tensor itself on a GPU) and restore each child with one request of its segments (the
+    service reads them from the store, checks the model fingerprint and shifts the keys); returns
+    the cache's contents."""
+    from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
+
+    with tempfile.TemporaryDirectory(prefix="kms-") as d:
+        cfg = ServiceConfig(socket_path=str(Path(d) / "svc" / "kmesh.sock"), store_root=str(root))
+        with CacheService(cfg) as svc, CacheClient(svc.socket_path) as client:
+            shared = SharedCache(layout, fill=0) if dev.type == "cpu" else None
+            cache = shared.tensor if shared is not None else layout.allocate(dev)
+            try:
+                cache.view(layout.storage_dtype).fill_(poison)  # as layout.allocate(fill=poison)
+                reg = client.register(shared if shared is not None else cache, layout, rope=rope)
+                t0 = time.perf_counter()
+                for c in range(children):
+                    items = [(keys[s], slots.cpu(), new.cpu()) for cc, s, slots, _, new in work if cc == c]
+                    client.restore(reg, items, model_fingerprint=fingerprint.to_dict())
+                timings["service_restore_ms"] = (time.perf_counter() - t0) * 1e3
+                client.close_registration(reg)
+                out = cache.clone()
+            finally:
+                del cache
+                if shared is not None:
+                    shared.close()
+    return out
 
 
 def _sync(dev: torch.device) -> None:
