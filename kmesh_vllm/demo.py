@@ -164,8 +164,9 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
 
     if service:  # the same children through the cache service, from the same store
         t0 = time.perf_counter()
-        results[("service", "store")] = _through_service(root, layout, rope, fingerprint, keys, work, children,
-                                                         poison, dev, timings)
+        whole, layers = _through_service(root, layout, rope, fingerprint, keys, work, children, poison, dev, timings)
+        results[("service", "store")] = whole
+        results[("service", "per-layer")] = layers
         timings["service_total_ms"] = (time.perf_counter() - t0) * 1e3
 
     ref = results[("torch", "serial")]
@@ -212,33 +213,47 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
 
 
 def _through_service(root: Path, layout: KVLayout, rope: RopeSpec, fingerprint, keys, work, children: int,
-                     poison: float, dev: torch.device, timings: dict) -> torch.Tensor:
-    """Start a cache service on the demo's store, register a poisoned cache (shared memory on CPU,
-    the CUDA tensor itself on a GPU) and restore each child with one request of its segments (the
-    service reads them from the store, checks the model fingerprint and shifts the keys); returns
-    the cache's contents."""
+                     poison: float, dev: torch.device, timings: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start a cache service on the demo's store and restore each child through it with one request of
+    its segments (the service reads them from the store, checks the model fingerprint and shifts
+    the keys), twice: into one registered allocation, and into one allocation per layer (as vLLM
+    holds its caches). Shared memory on CPU, the CUDA tensors themselves on a GPU. Returns both
+    caches' contents (the per-layer one stacked into the whole cache's shape)."""
     from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
+
+    view = layout.per_layer()
+
+    def allocate(lay):
+        shared = SharedCache(lay, fill=0) if dev.type == "cpu" else None
+        tensor = shared.tensor if shared is not None else lay.allocate(dev)
+        tensor.view(lay.storage_dtype).fill_(poison)  # as layout.allocate(fill=poison)
+        return shared, tensor
 
     with tempfile.TemporaryDirectory(prefix="kms-") as d:
         cfg = ServiceConfig(socket_path=str(Path(d) / "svc" / "kmesh.sock"), store_root=str(root))
         with CacheService(cfg) as svc, CacheClient(svc.socket_path) as client:
-            shared = SharedCache(layout, fill=0) if dev.type == "cpu" else None
-            cache = shared.tensor if shared is not None else layout.allocate(dev)
+            allocations = [allocate(layout)] + [allocate(view) for _ in range(layout.num_layers)]
+            part = objs = None  # views of the shared segments, dropped before they close
             try:
-                cache.view(layout.storage_dtype).fill_(poison)  # as layout.allocate(fill=poison)
-                reg = client.register(shared if shared is not None else cache, layout, rope=rope)
-                t0 = time.perf_counter()
-                for c in range(children):
-                    items = [(keys[s], slots.cpu(), new.cpu()) for cc, s, slots, _, new in work if cc == c]
-                    client.restore(reg, items, model_fingerprint=fingerprint.to_dict())
-                timings["service_restore_ms"] = (time.perf_counter() - t0) * 1e3
-                client.close_registration(reg)
-                out = cache.clone()
+                outs = []
+                for name, part in (("whole", allocations[:1]), ("per_layer", allocations[1:])):
+                    objs = [shared if shared is not None else tensor for shared, tensor in part]
+                    reg = client.register(objs[0] if name == "whole" else objs, layout, rope=rope)
+                    t0 = time.perf_counter()
+                    for c in range(children):
+                        items = [(keys[s], slots.cpu(), new.cpu()) for cc, s, slots, _, new in work if cc == c]
+                        client.restore(reg, items, model_fingerprint=fingerprint.to_dict())
+                    timings[f"service_restore_ms[{name}]"] = (time.perf_counter() - t0) * 1e3
+                    client.close_registration(reg)
+                    outs.append(part[0][1].clone() if name == "whole" else
+                                torch.stack([tensor for _, tensor in part]).reshape(layout.physical_shape))
             finally:
-                del cache
-                if shared is not None:
-                    shared.close()
-    return out
+                del part, objs
+                for shared, _ in allocations:
+                    if shared is not None:
+                        shared.close()
+                del allocations
+    return outs[0], outs[1]
 
 
 def _sync(dev: torch.device) -> None:
