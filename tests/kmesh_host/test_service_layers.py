@@ -116,37 +116,36 @@ def test_per_layer_virtual_memory_in_chunks(service):
     assert drv.live_handles() == 0
 
 
-def test_client_refuses_a_wrong_number_of_layers_or_a_wrong_shape(service):
+@pytest.fixture
+def shm_layers():
+    """A layout and one shared-memory allocation per layer (and one whole-cache allocation)."""
     layout = _layout()
-    view = layout.per_layer()
-    layers = [SharedCache(view) for _ in range(L)]
-    try:
-        with CacheClient(service.socket_path) as c:
-            with pytest.raises(LayoutError, match="3 layers"):
-                c.register(layers[:2], layout)
-            with pytest.raises(LayoutError, match=r"cache\[1\]"):
-                c.register([layers[0], torch.zeros(4), layers[2]], layout)
-            with pytest.raises(LayoutError, match=r"cache\[0\]"):
-                c.register([SharedCache(layout)] + layers[1:], layout)
-            assert c.status()["healthy"] is True
-    finally:
-        for x in layers:
-            x.close()
+    layers = [SharedCache(layout.per_layer()) for _ in range(L)]
+    whole = SharedCache(layout)
+    yield layout, layers, whole
+    for x in layers + [whole]:
+        x.close()
 
 
-def test_one_allocation_given_for_two_layers_is_refused(service):
-    layout = _layout()
-    view = layout.per_layer()
-    layers = [SharedCache(view) for _ in range(L)]
-    try:
-        with CacheClient(service.socket_path) as c:
-            with pytest.raises(LayoutError, match="same memory"):
-                c.register([layers[0], layers[1], layers[0]], layout)
-            st = c.status()
-            assert st["healthy"] is True and not st["registrations"]
-    finally:
-        for x in layers:
-            x.close()
+def test_client_refuses_a_wrong_number_of_layers_or_a_wrong_shape(service, shm_layers):
+    layout, layers, whole = shm_layers
+    with CacheClient(service.socket_path) as c:
+        with pytest.raises(LayoutError, match="3 layers"):
+            c.register(layers[:2], layout)
+        with pytest.raises(LayoutError, match=r"cache\[1\]"):
+            c.register([layers[0], torch.zeros(4), layers[2]], layout)
+        with pytest.raises(LayoutError, match=r"cache\[0\]"):
+            c.register([whole] + layers[1:], layout)
+        assert c.status()["healthy"] is True
+
+
+def test_one_allocation_given_for_two_layers_is_refused(service, shm_layers):
+    layout, layers, _ = shm_layers
+    with CacheClient(service.socket_path) as c:
+        with pytest.raises(LayoutError, match="same memory"):
+            c.register([layers[0], layers[1], layers[0]], layout)
+        st = c.status()
+        assert st["healthy"] is True and not st["registrations"]
 
 
 def _send_one_fd(sock) -> None:
@@ -163,39 +162,33 @@ def _raw(c, header: dict, send=None):
 
 @pytest.mark.parametrize("case", ["both", "neither", "not a list", "empty", "two layers", "short layer",
                                   "mixed devices", "fds for shm"])
-def test_malformed_per_layer_registers_are_typed_errors(service, case):
-    layout = _layout()
-    view = layout.per_layer()
-    layers = [SharedCache(view) for _ in range(L)]
-    try:
-        memories = [x.handle.to_dict() for x in layers]
-        header = {"op": "register", "layout": layout.to_dict(), "layers": memories}
-        send = None
-        if case == "both":
-            header["memory"] = memories[0]
-        elif case == "neither":
-            del header["layers"]
-        elif case == "not a list":
-            header["layers"] = memories[0]
-        elif case == "empty":
-            header["layers"] = []
-        elif case == "two layers":
-            header["layers"] = memories[:2]
-        elif case == "short layer":
-            header["layers"] = [dict(memories[0], nbytes=memories[0]["nbytes"] - 2)] + memories[1:]
-        elif case == "mixed devices":
-            header["layers"] = [dict(memories[0], kind="cuda_ipc", handle="00" * 64, device=0)] + memories[1:]
-        elif case == "fds for shm":
-            header["fds"] = 1
-            send = _send_one_fd
-        with CacheClient(service.socket_path) as c:
-            with pytest.raises((ProtocolError, LayoutError)):
-                _raw(c, header, send)
-            st = c.status()  # the same connection answers
-            assert st["healthy"] is True and not st["registrations"]
-    finally:
-        for x in layers:
-            x.close()
+def test_malformed_per_layer_registers_are_typed_errors(service, shm_layers, case):
+    layout, layers, _ = shm_layers
+    memories = [x.handle.to_dict() for x in layers]
+    header = {"op": "register", "layout": layout.to_dict(), "layers": memories}
+    send = None
+    if case == "both":
+        header["memory"] = memories[0]
+    elif case == "neither":
+        del header["layers"]
+    elif case == "not a list":
+        header["layers"] = memories[0]
+    elif case == "empty":
+        header["layers"] = []
+    elif case == "two layers":
+        header["layers"] = memories[:2]
+    elif case == "short layer":
+        header["layers"] = [dict(memories[0], nbytes=memories[0]["nbytes"] - 2)] + memories[1:]
+    elif case == "mixed devices":
+        header["layers"] = [dict(memories[0], kind="cuda_ipc", handle="00" * 64, device=0)] + memories[1:]
+    elif case == "fds for shm":
+        header["fds"] = 1
+        send = _send_one_fd
+    with CacheClient(service.socket_path) as c:
+        with pytest.raises((ProtocolError, LayoutError)):
+            _raw(c, header, send)
+        st = c.status()  # the same connection answers
+        assert st["healthy"] is True and not st["registrations"]
 
 
 def test_per_layer_vmm_with_descriptors_beyond_its_chunks_is_refused_and_nothing_kept(service):
