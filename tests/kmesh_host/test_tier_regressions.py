@@ -114,32 +114,36 @@ def _gated_header(monkeypatch, tier):
     monkeypatch.setattr(tier.store, "read_header", gated)
 
 
-def test_joiner_with_the_right_fingerprint_is_served_after_a_wrong_leader(store, keys, monkeypatch):
-    tier = tier_for(store)
-    _gated_header(monkeypatch, tier)
+def _leader_and_joiner(tier, key, leader: dict, joiner: dict) -> tuple:
+    """Two acquires of ``key``: the leader's (its header read gated until the joiner waits on it)
+    and a joiner's that joins while the leader's load is in flight. Returns both outcomes, a lease
+    or the exception raised."""
     out = {}
 
-    def wrong():
+    def acquire(name, kwargs, first):
+        if not first:
+            wait_until(lambda: tier.in_flight() == 1)
         try:
-            tier.acquire(keys[0], model_fingerprint=OTHER_FP)
+            out[name] = tier.acquire(key, **kwargs)
         except BaseException as exc:  # noqa: BLE001
-            out["wrong"] = exc
+            out[name] = exc
 
-    def right():
-        wait_until(lambda: tier.in_flight() == 1)
-        try:
-            out["right"] = tier.acquire(keys[0], model_fingerprint=FP)
-        except BaseException as exc:  # noqa: BLE001
-            out["right"] = exc
-
-    ts = [threading.Thread(target=wrong), threading.Thread(target=right)]
+    ts = [threading.Thread(target=acquire, args=("leader", leader, True)),
+          threading.Thread(target=acquire, args=("joiner", joiner, False))]
     for t in ts:
         t.start()
     for t in ts:
         t.join(10)
-    assert isinstance(out["wrong"], FingerprintMismatch)
-    assert not isinstance(out["right"], BaseException), f"right-fingerprint caller got {out['right']!r}"
-    out["right"].release()
+    return out["leader"], out["joiner"]
+
+
+def test_joiner_with_the_right_fingerprint_is_served_after_a_wrong_leader(store, keys, monkeypatch):
+    tier = tier_for(store)
+    _gated_header(monkeypatch, tier)
+    wrong, right = _leader_and_joiner(tier, keys[0], {"model_fingerprint": OTHER_FP}, {"model_fingerprint": FP})
+    assert isinstance(wrong, FingerprintMismatch)
+    assert not isinstance(right, BaseException), f"right-fingerprint caller got {right!r}"
+    right.release()
     tier.close()
 
 
@@ -147,34 +151,17 @@ def test_leaders_callback_error_stays_with_the_leader(store, keys, monkeypatch):
     class CallbackBug(Exception):
         pass
 
+    def on_chunk(chunk, lo, hi):
+        raise CallbackBug("the leader's own H2D copy failed")
+
     tier = tier_for(store)
     _gated_header(monkeypatch, tier)
-    out = {}
-
-    def leader():
-        def on_chunk(chunk, lo, hi):
-            raise CallbackBug("the leader's own H2D copy failed")
-        try:
-            tier.acquire(keys[0], model_fingerprint=FP, on_chunk=on_chunk)
-        except BaseException as exc:  # noqa: BLE001
-            out["leader"] = exc
-
-    def joiner():
-        wait_until(lambda: tier.in_flight() == 1)
-        try:
-            out["joiner"] = tier.acquire(keys[0], model_fingerprint=FP)
-        except BaseException as exc:  # noqa: BLE001
-            out["joiner"] = exc
-
-    ts = [threading.Thread(target=leader), threading.Thread(target=joiner)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(10)
-    assert isinstance(out["leader"], CallbackBug)
-    assert not isinstance(out["joiner"], CallbackBug), "a joiner without a callback got the leader's callback error"
-    if not isinstance(out["joiner"], BaseException):
-        out["joiner"].release()
+    leader, joiner = _leader_and_joiner(tier, keys[0], {"model_fingerprint": FP, "on_chunk": on_chunk},
+                                        {"model_fingerprint": FP})
+    assert isinstance(leader, CallbackBug)
+    assert not isinstance(joiner, CallbackBug), "a joiner without a callback got the leader's callback error"
+    if not isinstance(joiner, BaseException):
+        joiner.release()
     tier.close()
 
 
