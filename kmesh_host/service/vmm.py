@@ -108,6 +108,9 @@ class CudaVmm:
                                                               "cuDevicePrimaryCtxRetain"))
         self._ok(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
+    def synchronize(self, device: int) -> None:
+        torch.cuda.synchronize(device)
+
     def retain(self, addr: int):
         """The handle of the chunk mapped at ``addr``, or ``None`` where none is (not VMM memory)."""
         err, h = self.cu.cuMemRetainAllocationHandle(addr)
@@ -314,8 +317,7 @@ class VmmCache:
     def close(self) -> None:
         if self._addr is None:
             return
-        if self.driver.requires_cuda:
-            torch.cuda.synchronize(self.device)
+        self.driver.synchronize(self.device)  # no kernel may still use the memory
         self.tensor = None
         self._free()
 

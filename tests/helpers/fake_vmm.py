@@ -64,6 +64,9 @@ class FakeVmm:
     def context(self, device: int) -> None:
         pass
 
+    def synchronize(self, device: int) -> None:
+        pass
+
     def _new(self, fd: int, size: int, exportable: bool) -> int:
         h = next(self._ids)
         self._chunks[h] = [fd, size, 1, exportable]
