@@ -714,3 +714,18 @@ def test_rope_shift_validates_its_arguments():
     assert out.shape == k.shape and out.dtype == k.dtype
     assert torch.equal(out[..., 8:], k[..., 8:])  # dims past rotary_dim are not touched
     assert torch.allclose(rope_shift(out, p + 7, p, rope), k, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "warp"])
+def test_source_inside_any_layer_of_a_per_layer_cache_is_refused(backend):
+    """Per-layer caches take the general path, whose aliasing check covers every layer's bytes: a
+    segment inside layer 1 (not only layer 0) is refused and nothing is written."""
+    lay = KVLayout.from_vllm("LBHNC", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
+                             dtype=torch.float32)
+    layers = [torch.randn(lay.physical_shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    before = [x.clone() for x in layers]
+    T = 6
+    kv = layers[1].view(-1)[:2 * 2 * T * 2 * 8].view(2, 2, T, 2, 8)
+    with pytest.raises(LayoutError, match="kv"):
+        place(kv, layers, lay, torch.arange(T) + 1, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(layers, before))
