@@ -252,16 +252,22 @@ class _ShmMapping(Mapping):
             pass
 
 
+def device_bytes(addr: int, nbytes: int, device: int) -> torch.Tensor:
+    """A flat uint8 CUDA tensor over ``nbytes`` at ``addr``: memory this process mapped and does not
+    own through the tensor (the mapping's owner unmaps it once the tensor is dropped)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        mem = cupy.cuda.UnownedMemory(addr, nbytes, owner=None, device_id=device)
+        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return torch.as_tensor(arr, device=f"cuda:{device}")
+
+
 class _CudaIpcMapping(Mapping):
     def __init__(self, h: MemoryHandle, table: "DeviceMappings"):
         self._table, self._key, self._device = table, h.handle, h.device
         base = table.open(h.handle, h.device)
-        import cupy
-
-        with cupy.cuda.Device(h.device):
-            mem = cupy.cuda.UnownedMemory(base + h.offset, h.nbytes, owner=None, device_id=h.device)
-            arr = cupy.ndarray((h.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        self.tensor = torch.as_tensor(arr, device=f"cuda:{h.device}")
+        self.tensor = device_bytes(base + h.offset, h.nbytes, h.device)
 
     def close(self) -> None:
         self.tensor = None

@@ -31,7 +31,7 @@ import torch
 
 from kmesh_gpu.errors import KmeshError, LayoutError, ProtocolError
 
-from .memory import Mapping, MemoryHandle, cache_nbytes
+from .memory import Mapping, MemoryHandle, cache_nbytes, device_bytes
 
 #: SCM_RIGHTS carries at most 253 descriptors per message on Linux (SCM_MAX_FD)
 FDS_PER_MESSAGE = 253
@@ -145,22 +145,22 @@ class CudaVmm:
     def import_fd(self, fd: int):
         return self._ok(self.cu.cuMemImportFromShareableHandle(fd, self._fd_type), "cuMemImportFromShareableHandle")
 
-    def create(self, size: int, device: int):
+    def _prop(self, device: int):
+        """Device memory on ``device``, exportable as a POSIX file descriptor (what :class:`VmmCache` makes)."""
         prop = self.cu.CUmemAllocationProp()
         prop.type = self.cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = self.cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = device
         prop.requestedHandleTypes = self._fd_type
-        return self._ok(self.cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+        return prop
+
+    def create(self, size: int, device: int):
+        return self._ok(self.cu.cuMemCreate(size, self._prop(device), 0), "cuMemCreate")
 
     def granularity_for(self, device: int) -> int:
-        prop = self.cu.CUmemAllocationProp()
-        prop.type = self.cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = self.cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        prop.requestedHandleTypes = self._fd_type
         flag = self.cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._ok(self.cu.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
+        return int(self._ok(self.cu.cuMemGetAllocationGranularity(self._prop(device), flag),
+                            "cuMemGetAllocationGranularity"))
 
     def reserve(self, size: int, alignment: int) -> int:
         return int(self._ok(self.cu.cuMemAddressReserve(size, alignment, self.cu.CUdeviceptr(0), 0),
@@ -184,12 +184,7 @@ class CudaVmm:
 
     def tensor(self, addr: int, nbytes: int, device: int) -> torch.Tensor:
         """A flat uint8 tensor over ``nbytes`` at ``addr`` (memory this process mapped; not owned)."""
-        import cupy
-
-        with cupy.cuda.Device(device):
-            mem = cupy.cuda.UnownedMemory(addr, nbytes, owner=None, device_id=device)
-            arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        return torch.as_tensor(arr, device=f"cuda:{device}")
+        return device_bytes(addr, nbytes, device)
 
 
 # ---------------------------------------------------------------------------------- client side
@@ -438,8 +433,7 @@ class VmmMapping(Mapping):
             raise LayoutError(f"memory: offset {h.offset} + nbytes {h.nbytes} exceeds the {sum(sizes)} bytes of "
                               f"its chunks")
         self.driver = drv or driver()
-        self._sizes, self._total, self._addr, self._mapped = sizes, sum(sizes), None, 0
-        self._device = h.device
+        self._total, self._addr, self._mapped = sum(sizes), None, 0
         handles, files = [], []
 
         def on_fd(fd):
