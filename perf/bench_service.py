@@ -61,11 +61,13 @@ writes ``bench_service_<device>.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import platform
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -83,31 +85,55 @@ from kmesh_host.service import protocol  # noqa: E402
 LAYERS, HEADS, HEAD, SEGMENTS, SEG_TOKENS, PROMPT, BLOCK = 24, 2, 64, 4, 104, 512, 16
 
 
-def child_layout() -> KVLayout:
-    return KVLayout.from_vllm("NHD", num_layers=LAYERS, num_blocks=PROMPT // BLOCK, block_size=BLOCK,
-                              num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A child's model shape: the seed's (the target's) and larger models' KV per token, with the
+    seed's token structure (4 segments of 104 tokens in a 512-token prompt)."""
+    name: str
+    layers: int
+    heads: int
+    head: int
+
+    @property
+    def child_bytes(self) -> int:  # K and V of every segment token, bf16
+        return 2 * self.layers * SEGMENTS * SEG_TOKENS * self.heads * self.head * 2
 
 
-def child_rope() -> RopeSpec:
-    return RopeSpec(HEAD, HEAD, 1e6, True, 32768, torch.bfloat16)
+SEED = Shape("seed", LAYERS, HEADS, HEAD)
+#: larger children of the same token structure, for the service's overhead against the restore's size
+#: (KV per token: seed 12 KiB; Qwen2.5-7B-like 56 KiB; Llama-70B-like 320 KiB)
+SHAPES = {"seed": SEED, "7b": Shape("7b", 28, 4, 128), "70b": Shape("70b", 80, 8, 128)}
 
 
-def originals(seed: int = 0):
+def child_layout(shape: Shape = SEED) -> KVLayout:
+    return KVLayout.from_vllm("NHD", num_layers=shape.layers, num_blocks=PROMPT // BLOCK, block_size=BLOCK,
+                              num_kv_heads=shape.heads, head_size=shape.head, dtype=torch.bfloat16)
+
+
+def child_rope(shape: Shape = SEED) -> RopeSpec:
+    return RopeSpec(shape.head, shape.head, 1e6, True, 32768, torch.bfloat16)
+
+
+def _key(shape: Shape, i: int) -> str:
+    return f"seg{i}" if shape is SEED else f"{shape.name}/seg{i}"
+
+
+def originals(seed: int = 0, shape: Shape = SEED):
     """Four segments as the leader saved them: keys post-RoPE at the leader's positions."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(SEGMENTS):
-        kv = torch.randn(2, LAYERS, SEG_TOKENS, HEADS, HEAD, generator=g).to(torch.bfloat16)
-        out.append((f"seg{i}", kv, torch.arange(i * SEG_TOKENS, (i + 1) * SEG_TOKENS, dtype=torch.int64)))
+        kv = torch.randn(2, shape.layers, SEG_TOKENS, shape.heads, shape.head, generator=g).to(torch.bfloat16)
+        out.append((_key(shape, i), kv, torch.arange(i * SEG_TOKENS, (i + 1) * SEG_TOKENS, dtype=torch.int64)))
     return out
 
 
-def child_plan():
+def child_plan(shape: Shape = SEED):
     """Where the child puts each segment: after a 16-token preamble, 8 tokens of other text between."""
     plan, p = [], 16
     for i in range(SEGMENTS):
         pos = list(range(p, p + SEG_TOKENS))
-        plan.append((f"seg{i}", pos, pos))  # slots = positions in a fresh 512-token prompt
+        plan.append((_key(shape, i), pos, pos))  # slots = positions in a fresh 512-token prompt
         p += SEG_TOKENS + 8
     return plan
 
@@ -133,12 +159,12 @@ def as_index_tensor(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def child_setup(device: str, inputs: str = "tensors") -> tuple:
+def child_setup(device: str, inputs: str = "tensors", shape: Shape = SEED) -> tuple:
     """``(layout, rope, plan, resident)``: the child's cache layout and RoPE spec, its plan with the
     index inputs of ``inputs`` (:func:`index_inputs`), and the originals already on ``device`` (as
     the in-process path restores them)."""
-    resident = [(k, kv.to(device), p) for k, kv, p in originals()]
-    return child_layout(), child_rope(), index_inputs(child_plan(), inputs), resident
+    resident = [(k, kv.to(device), p) for k, kv, p in originals(shape=shape)]
+    return child_layout(shape), child_rope(shape), index_inputs(child_plan(shape), inputs), resident
 
 
 def in_process_restore(cache, layout, rope, resident_originals, plan, device: str) -> None:
@@ -198,9 +224,11 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
     out.put({"pid": os.getpid(), "errors": errors, "times": times, "first_s": first, "start": start, "end": end})
 
 
-def paired(args, client, socket_path) -> dict:
+def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = None, timing_runs: int | None = None) -> dict:
     device = args.device
-    layout, rope, plan, resident = child_setup(device, args.inputs)  # uploaded once, like the service's copies
+    pairs = args.pairs if pairs is None else pairs
+    timing_runs = args.timing_runs if timing_runs is None else timing_runs
+    layout, rope, plan, resident = child_setup(device, args.inputs, shape)  # uploaded once, like the service's copies
     sync(device)
     shared, registrable, svc_cache = _alloc(layout, device)
     local = layout.allocate(device, fill=0)
@@ -222,7 +250,7 @@ def paired(args, client, socket_path) -> dict:
         run_service()
     identical = torch.equal(local.view(torch.uint8).cpu(), svc_cache.view(torch.uint8).cpu())
     loc, svc = [], []
-    for i in range(args.pairs):  # alternating which path goes first
+    for i in range(pairs):  # alternating which path goes first
         if i % 2 == 0:
             loc.append(run_local())
             svc.append(run_service())
@@ -230,9 +258,9 @@ def paired(args, client, socket_path) -> dict:
             svc.append(run_service())
             loc.append(run_local())
     stages = None
-    if args.timing_runs > 0:
+    if timing_runs > 0:
         rows = []
-        for _ in range(args.timing_runs):
+        for _ in range(timing_runs):
             client.restore(reg, items, timings=True)
             rows.append(client.last_timings)
         stages = stage_medians(rows)
@@ -373,6 +401,76 @@ def concurrent(args, client, socket_path, on_start=None, on_end=None) -> dict:
             and after["open_ipc_mappings"] == before["open_ipc_mappings"] and not after["registrations"]}
 
 
+def _echo_proc(path: str, spin_s: float) -> None:
+    """The transport floor's far end: reads a frame as the service does (blocking socket, polling
+    with ``MSG_DONTWAIT`` for ``spin_s`` first) and answers each with a small frame."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    reply = protocol.encode({"id": 0, "ok": True})
+    try:
+        while True:
+            protocol.read_frame(sock, spin_s=spin_s)
+            sock.sendall(reply)
+    except (protocol.ConnectionClosed, OSError):
+        pass
+    finally:
+        sock.close()
+
+
+def transport_floor(args, request_bytes: int, spins: dict) -> dict:
+    """What any restore through a separate process pays before the service does anything: a frame
+    of the seed request's size to another process and a small frame back, both read by
+    ``protocol.read_frame`` with the benchmark's polling, no work in between (medians, us)."""
+    sock_dir = tempfile.mkdtemp(prefix="kmsf-")
+    path = os.path.join(sock_dir, "echo.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    proc = mp.get_context("spawn").Process(target=_echo_proc, args=(path, spins["receive_spin_s"]))
+    proc.start()
+    try:
+        listener.settimeout(120)
+        conn, _ = listener.accept()
+        conn.settimeout(300)  # as CacheClient's socket: a timeout, polled with the socket non-blocking
+        frame = protocol.encode({"op": "echo"}, bytes(request_bytes))
+        times = []
+        for i in range(args.floor_rounds + 20):
+            t0 = time.perf_counter()
+            conn.sendall(frame)
+            protocol.read_frame(conn, frame_timeout=300, spin_s=spins["reply_spin_s"])
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        conn.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        listener.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    q = statistics.quantiles(times, n=4)
+    return {"rounds": len(times), "request_frame_bytes": len(frame), "median_us": statistics.median(times) * 1e6,
+            "quartiles_us": [q[0] * 1e6, q[2] * 1e6]}
+
+
+def shape_sweep(args, client, socket_path) -> list:
+    """The paired comparison for larger children (``--shapes``): the service's fixed cost against
+    the restore's size."""
+    rows = []
+    for name in [n for n in args.shapes.split(",") if n]:
+        shape = SHAPES[name]
+        for key, kv, pos in originals(shape=shape):
+            client.put(key, kv, pos)
+        r = paired(args, client, socket_path, shape, pairs=args.shape_pairs, timing_runs=0)
+        for key, _, _ in originals(shape=shape):
+            client.evict(key)
+        rows.append({"shape": dataclasses.asdict(shape), "child_mib": shape.child_bytes / 2**20,
+                     **{k: r[k] for k in ("in_process_median_ms", "service_median_ms", "median_paired_ratio",
+                                          "paired_ratio_quartiles", "median_block_ratio", "median_paired_diff_ms",
+                                          "bit_identical")}})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -390,8 +488,19 @@ def main(argv=None) -> int:
                     help="CacheClient(reply_spin_s=...): seconds to poll for a reply (default: auto)")
     ap.add_argument("--receive-spin-s", type=float, default=None,
                     help="ServiceConfig.receive_spin_s: seconds to poll for a request (default: auto)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated larger children for the paired comparison ("
+                         + ", ".join(k for k in SHAPES if k != "seed") + "; default: all of them on cuda, none on cpu)")
+    ap.add_argument("--shape-pairs", type=int, default=11, help="pairs per larger child")
+    ap.add_argument("--floor-rounds", type=int, default=201,
+                    help="round trips of the transport floor (0: skip it)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = "7b,70b" if args.device == "cuda" else ""
+    unknown = [n for n in args.shapes.split(",") if n and n not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
     cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30, receive_spin_s=args.receive_spin_s)
@@ -402,16 +511,24 @@ def main(argv=None) -> int:
             client.put(key, kv, pos)
         pair = paired(args, client, socket_path)
         steady = back_to_back(args, client) if args.back_to_back > 0 else None
+        sweep = shape_sweep(args, client, socket_path)
         conc = concurrent(args, client, socket_path) if args.clients > 0 else None
         counters = client.status()["counters"]
         placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item")}
     shutil.rmtree(sock_dir, ignore_errors=True)
+    floor = None
+    if args.floor_rounds > 0:
+        request_bytes = 2 * SEGMENTS * SEG_TOKENS * 8  # the seed request's body: slots and new positions
+        floor = transport_floor(args, request_bytes, spins)
+        if steady:
+            floor["share_of_in_process_back_to_back"] = floor["median_us"] / steady["median_us"]["in_process"]
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     report = {"device": args.device, "device_name": dev_name, "torch": torch.__version__,
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
               "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
               "concurrent": conc, "service_placements": placements,
+              "transport_floor": floor, "larger_children": sweep,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_service_{args.device}.json")
@@ -448,10 +565,26 @@ def main(argv=None) -> int:
                  if conc["first_restore_median_ms"] is not None else "")
         print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {rate} restores/s (steady state), "
               f"{lat}{first}errors {conc['errors']}, memory back to baseline: {conc['memory_back_to_baseline']}")
+    if floor:
+        share = (f" = {floor['share_of_in_process_back_to_back']:.2f}x the in-process restore back to back "
+                 f"(the target allows the service 0.15x above it)" if "share_of_in_process_back_to_back" in floor else "")
+        print(f"transport floor (a {floor['request_frame_bytes']}-byte frame to another process and a small one back, "
+              f"protocol.read_frame on both ends, no work): median {floor['median_us']:.1f} us "
+              f"(quartiles {floor['quartiles_us'][0]:.1f}..{floor['quartiles_us'][1]:.1f}){share}")
+    if sweep:
+        print("larger children (same token structure; paired, alternating; medians):")
+        print(f"  {'shape':<6}{'child MiB':>10}{'in-process ms':>15}{'service ms':>12}{'diff ms':>9}"
+              f"{'paired ratio':>14}{'blocks':>8}  bit-identical")
+        for r in sweep:
+            blk = f"{r['median_block_ratio']:.3f}" if r["median_block_ratio"] is not None else "n/a"
+            print(f"  {r['shape']['name']:<6}{r['child_mib']:>10.1f}{r['in_process_median_ms']:>15.3f}"
+                  f"{r['service_median_ms']:>12.3f}{r['median_paired_diff_ms']:>9.3f}{r['median_paired_ratio']:>14.3f}"
+                  f"{blk:>8}  {r['bit_identical']}")
     print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "
           f"per item: {placements['placements_per_item']}")
     print(f"wrote {path}")
-    return 0 if pair["bit_identical"] and (conc is None or conc["errors"] == 0) else 1
+    ok = pair["bit_identical"] and all(r["bit_identical"] for r in sweep)
+    return 0 if ok and (conc is None or conc["errors"] == 0) else 1
 
 
 if __name__ == "__main__":

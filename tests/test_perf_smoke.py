@@ -34,8 +34,12 @@ def test_ssd_routes_cpu_mode(tmp_path):
 
 def test_bench_service_cpu_mode(tmp_path):
     _run("bench_service.py", "--pairs", "2", "--timing-runs", "3", "--clients", "2", "--rounds", "3",
-         "--back-to-back", "2", out=tmp_path)
+         "--back-to-back", "2", "--shapes", "7b", "--shape-pairs", "2", "--floor-rounds", "5", out=tmp_path)
     res = json.loads((tmp_path / "bench_service_cpu.json").read_text())
+    (larger,) = res["larger_children"]
+    assert larger["shape"]["name"] == "7b" and larger["bit_identical"] and larger["child_mib"] > 20
+    floor = res["transport_floor"]
+    assert floor["rounds"] == 5 and floor["median_us"] > 0 and floor["share_of_in_process_back_to_back"] > 0
     assert res["paired"]["bit_identical"]
     assert len(res["paired"]["paired_ratio_quartiles"]) == 2
     assert res["paired"]["median_block_ratio"] > 0  # two pairs: one balanced block
