@@ -168,7 +168,8 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
         # kvikio reads on its own threads into memory the current stream may still be using.
         _sync(device)
         streams = _Streams(device)
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=False)
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=False,
+                             objects=len(targets))
         read_start = time.perf_counter()
         futures = []
         for target, header, off in zip(targets, headers, offsets):

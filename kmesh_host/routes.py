@@ -181,19 +181,6 @@ def _kv_views(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list[
     return kvs
 
 
-def _pinned_upload(host: torch.Tensor, device: torch.device, streams: _Streams) -> torch.Tensor:
-    """``host`` on ``device``: on CUDA from pinned memory, asynchronously, on the work stream."""
-    if device.type != "cuda":
-        return host
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
-    with streams.on_work():
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        # The caching host allocator keeps `pinned` until this copy has run.
-        out.copy_(pinned, non_blocking=True)
-    return out
-
-
 def _check_placement(targets: list, headers: list[SegmentHeader], rope) -> None:
     for target, header in zip(targets, headers):
         if target.slots is None:
@@ -292,7 +279,8 @@ class _Verifier:
     _HOW = {"device": "device kmesh-tree-sha256 root", "device-batched": "device kmesh-tree-sha256 root",
             "host": "host kmesh-tree-sha256 root"}
 
-    def __init__(self, mode: str, buffer: torch.Tensor, backend: str, streams: _Streams, *, trust_verified: bool):
+    def __init__(self, mode: str, buffer: torch.Tensor, backend: str, streams: _Streams, *, trust_verified: bool,
+                 objects: int = 0):
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify: expected one of {VERIFY_MODES}, got {mode!r}")
         self.mode, self.buffer, self.backend, self.streams = mode, buffer, backend, streams
@@ -302,6 +290,13 @@ class _Verifier:
         self._checked: list[tuple[int, SegmentHeader, object]] = []  # (offset, header, lease or None)
         self._roots: list[torch.Tensor] = []
         self._host_bad: list[str] = []
+        # ``device`` mode on CUDA: each root is downloaded right after its digest, on the digest's
+        # stream, into this pinned table (one row per object, ``objects`` rows made before the
+        # reads), so that once the last digest is done the comparison is one wait and a host
+        # compare of 32-byte rows (no upload of the expected roots, no comparison kernels)
+        self._host_roots = None
+        if mode == "device" and objects > 0 and buffer.is_cuda:
+            self._host_roots = torch.empty((objects, 32), dtype=torch.uint8, pin_memory=True)
 
     def _mark(self) -> None:
         if self.started is None:
@@ -323,9 +318,13 @@ class _Verifier:
         if self.mode == "device":
             self._mark()
             with self.streams.on_digest(event):
-                self._roots.append(kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
-                                                          leaf_size=header.tree_leaf_size,
-                                                          fanout=header.tree_fanout, backend=self.backend))
+                root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
+                                              leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
+                                              backend=self.backend)
+                k = len(self._roots)
+                if self._host_roots is not None and k < len(self._host_roots):
+                    self._host_roots[k].copy_(root[0], non_blocking=True)
+                self._roots.append(root)
         elif self.mode == "host" and lease is not None:
             self._mark()
             if not _host_root_ok(header, lease.payload.numpy()):
@@ -347,24 +346,31 @@ class _Verifier:
                         bad.append(h.key)
             return time.perf_counter() - self.started, bad
         self.streams.digests_done()
-        with self.streams.on_work():
-            if self.mode == "device-batched":
-                params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}
-                if len(params) != 1:
-                    raise IntegrityError(f"segments {[h.key for h in headers]}: mixed tree parameters {params}; "
-                                         "use verify='device'")
-                leaf, fanout = params.pop()
-                roots = kmesh_gpu.tree_digests(self.buffer, [o for o, _, _ in self._checked],
-                                               [h.padded_length for h in headers], leaf_size=leaf, fanout=fanout,
-                                               backend=self.backend)
-            else:
-                roots = torch.cat([r.reshape(-1, 32) for r in self._roots])
-            expected = torch.frombuffer(bytearray(b"".join(h.tree_root for h in headers)),
-                                        dtype=torch.uint8).view(len(headers), 32)
-            expected = _pinned_upload(expected, roots.device, self.streams)
-            # The one synchronisation: a flag per object comes back.
-            flags = (roots.to(torch.uint8) != expected).any(dim=1).cpu().tolist()
-        return time.perf_counter() - self.started, [h.key for h, b in zip(headers, flags) if b]
+        n = len(headers)
+        if self._host_roots is not None and len(self._roots) == n <= len(self._host_roots):
+            # every root is on its way to the pinned table: one wait, after every digest's download
+            with self.streams.on_work():
+                done = torch.cuda.Event()
+                done.record()
+            done.synchronize()
+            got = self._host_roots.numpy()[:n]
+        else:
+            with self.streams.on_work():
+                if self.mode == "device-batched":
+                    params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}
+                    if len(params) != 1:
+                        raise IntegrityError(f"segments {[h.key for h in headers]}: mixed tree parameters "
+                                             f"{params}; use verify='device'")
+                    leaf, fanout = params.pop()
+                    roots = kmesh_gpu.tree_digests(self.buffer, [o for o, _, _ in self._checked],
+                                                   [h.padded_length for h in headers], leaf_size=leaf,
+                                                   fanout=fanout, backend=self.backend)
+                else:
+                    roots = torch.cat([r.reshape(-1, 32) for r in self._roots])
+                # The one synchronisation: the roots come back (32 bytes per object).
+                got = roots.cpu().numpy()
+        bad = [h.key for h, row in zip(headers, got) if row.tobytes() != h.tree_root]
+        return time.perf_counter() - self.started, bad
 
     def mark_verified(self, route: str) -> None:
         """After a successful :meth:`finish`: tier entries checked here are trusted from now on."""
@@ -549,7 +555,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     _stamp("placement launched")
             report = _new_report(device, engine)
             report.placed = placed or placement is not None
-            verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+            verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=n)
             for i in range(n):
                 sources["hit"] = sources.get("hit", 0) + 1
                 report.bytes_moved += headers[i].padded_length
@@ -572,7 +578,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         # thread that finishes an object (the tier reports it done after all its chunk callbacks
         # returned) launches its digest at once (`land`), while the other reads go on: no hop to
         # this thread sits between an object's last byte and its digest.
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified)
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=n)
         _stamp("placement checked")
         failures: list = []
         missing = [i for i in range(n) if leases[i] is None]
@@ -599,6 +605,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             report.bytes_moved += header.padded_length
             streams.work_after(event)
             verifier.landed(off, header, lease=lease, event=event)
+            _stamp("object landed, digest queued")
 
         if missing:
             pending = len(missing)

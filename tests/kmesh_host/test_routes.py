@@ -474,8 +474,9 @@ def test_resident_objects_are_trusted_or_reverified(store, segments):
     tier.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
-def test_overlapped_verification_names_every_corrupt_object(store, segments, verify):
+def test_overlapped_verification_names_every_corrupt_object(store, segments, device, verify):
     for key, _, _ in segments[:2]:
         off = store.read_header(key).payload_offset
         with open(store.path(key), "r+b") as f:
@@ -483,11 +484,11 @@ def test_overlapped_verification_names_every_corrupt_object(store, segments, ver
             byte = f.read(1)
             f.seek(off + 4100)
             f.write(bytes([byte[0] ^ 0x01]))
-    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    layout, cache, targets = cache_and_targets(segments, device, shifted=True)
     before = cache.clone()
-    tier = make_tier(store, "cpu", retain=True)
+    tier = make_tier(store, device, retain=True)
     with pytest.raises(IntegrityError, match="nothing was placed") as err:
-        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+        restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
                              layout=layout, rope=ROPE, verify=verify)
     assert segments[0][0] in str(err.value) and segments[1][0] in str(err.value)
     assert segments[2][0] not in str(err.value)
