@@ -145,7 +145,7 @@ def prepare_flat(kvs, cache, layout, counts: tuple, slots: np.ndarray, *, rope=N
     apply (the caller then passes per-item tensors to ``place.prepare_place_many``, which decides and
     names any error). Positions are still checked; slots are the caller's promise (private)."""
     P = _place()
-    if not P._FAST or not P._COMPILED or not P._RUNS or not isinstance(cache, torch.Tensor):
+    if not P._FAST or not P._COMPILED or not P._RUNS:
         return None
     T = sum(counts)
     if T == 0 or len(counts) != len(kvs) or slots.shape != (T,) or slots.dtype != np.int64:
@@ -157,8 +157,8 @@ def prepare_flat(kvs, cache, layout, counts: tuple, slots: np.ndarray, *, rope=N
         P._check_args(layout, rope, old_positions, new_positions)
     except P.LayoutError:
         return None
-    f = P._facts(cache, layout, rope, "cache")
-    if not f.ok or not f.cuda or layout.storage_dtype == torch.uint8:  # fp8: K scales are per call
+    f = P._facts(cache, layout, rope, "cache")  # (one tensor, or a list of per-layer tensors)
+    if f is None or not f.ok or not f.cuda or layout.storage_dtype == torch.uint8:  # fp8: K scales are per call
         return None
     try:
         if P._backend.choose("auto", f.device) != "cupy":
@@ -207,8 +207,7 @@ def place_now(addresses, shapes, dtype: torch.dtype, cache, layout, slots, *, ro
         return False
     P = _PLACE[0] if _PLACE else _place()
     n = len(addresses)
-    if not (P._FAST and P._COMPILED and P._RUNS) or type(cache) is not torch.Tensor or not n or len(slots) != n \
-            or len(shapes) != n:
+    if not (P._FAST and P._COMPILED and P._RUNS) or not n or len(slots) != n or len(shapes) != n:
         return False
     if rope is None:
         seqs = slots
@@ -218,8 +217,10 @@ def place_now(addresses, shapes, dtype: torch.dtype, cache, layout, slots, *, ro
         seqs = (*old_positions, *new_positions, *slots)
     try:
         P._check_args(layout, rope, old_positions, new_positions)
-        f = P._facts(cache, layout, rope, "cache")
+        f = P._facts(cache, layout, rope, "cache")  # (one tensor, or a list of per-layer tensors)
     except P.LayoutError:
+        return False
+    if f is None:
         return False
     lane = f.lane
     if lane is None or (lane and lane[0] != (P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF, P._RUN_UNITS)):

@@ -438,19 +438,30 @@ class _Facts:
     is not kept alive): another tensor with those passes the same checks."""
 
     __slots__ = ("layout", "rope", "device", "cuda", "layer_base", "bits", "ok", "S", "N", "P", "cap", "vec16",
-                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches", "lane", "span")
+                 "row", "kv_shape", "st", "vt", "consts", "params", "ring", "launches", "lane", "span", "spans")
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, rope, name: str):
-        flats, _ = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
+    def __init__(self, cache, layout: KVLayout, rope, name: str):
+        flats, per_layer = _cache_layers(cache, layout, name)  # raises LayoutError exactly as the general path
         L, _, H, N, D = layout.sizes
         itemsize = layout.storage_dtype.itemsize
         self.layout, self.rope = layout, rope
         self.device = flats[0].device
         self.cuda = self.device.type == "cuda"
-        self.layer_base = flats[0].data_ptr() + np.arange(L, dtype=np.int64) * (layout.k_strides[0] * itemsize)
+        ranges = _ranges(flats)
+        if per_layer:  # a tensor per layer (vLLM's own): each layer's base is its tensor's address
+            self.layer_base = _i64([f.data_ptr() for f in flats])
+            self.spans = sorted(ranges)
+            # layers that overlap one another would race: the general path decides
+            apart = all(a[1] <= b[0] for a, b in zip(self.spans, self.spans[1:]))
+        else:
+            self.layer_base = flats[0].data_ptr() + np.arange(L, dtype=np.int64) * (layout.k_strides[0] * itemsize)
+            self.spans = None
+            apart = True
         self.layer_base.setflags(write=False)
-        # anything the fast path does not cover (the general path then decides, and raises)
-        self.ok = layout.k_strides[0] == layout.v_strides[0]
+        # anything the fast path does not cover (the general path then decides, and raises); one
+        # tensor's layers are addressed through one base table, which needs K and V to share the
+        # layer stride; per-layer tensors have no layer stride
+        self.ok = apart and (per_layer or layout.k_strides[0] == layout.v_strides[0])
         self.bits = _align_bits(layout, int(np.bitwise_or.reduce(self.layer_base)))
         self.S, self.N = layout.num_slots, N
         self.P = rope.num_positions if rope is not None else 0
@@ -464,11 +475,33 @@ class _Facts:
         self.ring = None  # the device's table ring (_place_driver), looked up on first use; False: none
         self.launches = None  # kernel shape -> the run kernel's packed launch arguments (_place_driver)
         self.lane = None  # _place_driver.place_now's constants for this cache; False: it does not apply
-        self.span = _ranges(flats)[0]  # the cache's bytes: sources must lie outside
+        # the cache's bytes (sources must lie outside): [lowest, highest) over its layers
+        self.span = (min(r[0] for r in ranges), max(r[1] for r in ranges))
+
+    def aliases(self, ptr: int, nbytes: int) -> bool:
+        """``[ptr, ptr + nbytes)`` shares bytes with the cache (with any layer of a per-layer one)."""
+        if not (ptr < self.span[1] and self.span[0] < ptr + nbytes):
+            return False
+        return self.spans is None or _meets((ptr, ptr + nbytes), self.spans)
 
 
-def _facts(cache: torch.Tensor, layout: KVLayout, rope, name: str) -> _Facts:
-    key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device, id(layout), id(rope))
+def _cache_key(cache) -> tuple | None:
+    """What identifies ``cache`` (one tensor, or a list of per-layer tensors) for :data:`_FACTS`;
+    ``None`` for anything else (the general path then decides)."""
+    if isinstance(cache, torch.Tensor):
+        return cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device
+    if type(cache) in (list, tuple) and cache and all(isinstance(t, torch.Tensor) for t in cache):
+        return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in cache)
+    return None
+
+
+def _facts(cache, layout: KVLayout, rope, name: str) -> _Facts | None:
+    """The facts of ``cache`` (a tensor or a list of per-layer tensors) for ``layout`` and ``rope``,
+    worked out once; ``None`` for any other kind of cache; :class:`LayoutError` for an invalid one."""
+    ident = _cache_key(cache)
+    if ident is None:
+        return None
+    key = (ident, id(layout), id(rope))
     f = _FACTS.get(key)
     if f is None or f.layout is not layout or f.rope is not rope:
         f = _Facts(cache, layout, rope, name)
@@ -509,10 +542,10 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
     """
     _check_args(layout, rope, olds, news)
     n = len(kvs)
-    if n == 0 or not isinstance(cache, torch.Tensor):
+    if n == 0:
         return None
     f = _facts(cache, layout, rope, "cache" if n == 1 else "caches[0]")
-    if not f.ok:
+    if f is None or not f.ok:
         return None
     device = f.device
     try:
@@ -534,7 +567,7 @@ def _fast_prepare(kvs, cache, layout, slots, rope, olds, news, k_scale, backend:
                 or not kv.is_contiguous():
             return None
         p = kv.data_ptr()
-        if p < f.span[1] and f.span[0] < p + kv.numel() * kv.element_size():
+        if f.aliases(p, kv.numel() * kv.element_size()):
             return None  # the source aliases the cache: the general path raises
         counts.append(s[2])
         ptrs.append(p)
@@ -554,14 +587,14 @@ def _prepare_at(addresses, shapes, dtype: torch.dtype, device: torch.device, cac
     Private: a wrong address or shape lets the launch read other memory; nothing public passes one.
     """
     n = len(addresses)
-    if n == 0 or len(shapes) != n or len(slots) != n or not isinstance(cache, torch.Tensor):
+    if n == 0 or len(shapes) != n or len(slots) != n:
         return None
     if rope is not None and (old_positions is None or new_positions is None
                              or len(old_positions) != n or len(new_positions) != n):
         return None
     _check_args(layout, rope, old_positions, new_positions)
     f = _facts(cache, layout, rope, "cache")
-    if not f.ok or device != f.device:
+    if f is None or not f.ok or device != f.device:
         return None
     try:
         be = _backend.choose(backend, device)
@@ -575,7 +608,7 @@ def _prepare_at(addresses, shapes, dtype: torch.dtype, device: torch.device, cac
     for s, p in zip(shapes, addresses):
         if len(s) != 5 or s[0] != 2 or s[1] != L or s[3] != H or s[4] != D:
             return None
-        if p < f.span[1] and f.span[0] < p + 2 * L * s[2] * H * D * want.itemsize:
+        if f.aliases(p, 2 * L * s[2] * H * D * want.itemsize):
             return None
         bits |= p
     return _fast_tables(f, be, layout, rope, slots, old_positions, new_positions, k_scale,

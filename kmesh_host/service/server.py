@@ -724,9 +724,9 @@ class _Service:
             cache, layout, backend = extra["cache"], reg.layout, self.config.backend
             shifted, plain = plan.shifted, plan.plain
             launch = None
-            if extra["on_cuda"] and backend in ("auto", "cupy") and not (shifted and plain) \
-                    and not extra["per_layer"]:
+            if extra["on_cuda"] and backend in ("auto", "cupy") and not (shifted and plain):
                 # the usual request: the body's index arrays as they are, one compiled preparation
+                # (into one registered allocation, or a list of per-layer ones)
                 launch = _place_driver().prepare_flat(
                     kvs, cache, layout, plan.counts, req.slots, rope=extra["rope"] if shifted else None,
                     old_positions=plan.old_positions(segs) if shifted else None,

@@ -718,8 +718,8 @@ def test_rope_shift_validates_its_arguments():
 
 @pytest.mark.parametrize("backend", ["torch", "warp"])
 def test_source_inside_any_layer_of_a_per_layer_cache_is_refused(backend):
-    """Per-layer caches take the general path, whose aliasing check covers every layer's bytes: a
-    segment inside layer 1 (not only layer 0) is refused and nothing is written."""
+    """The aliasing check covers every layer's bytes of a per-layer cache (the fast path's and the
+    general path's): a segment inside layer 1 (not only layer 0) is refused and nothing is written."""
     lay = KVLayout.from_vllm("LBHNC", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8,
                              dtype=torch.float32)
     layers = [torch.randn(lay.physical_shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)]

@@ -35,8 +35,9 @@ def test_per_layer_cuda_allocations_restore_bit_exact(service, name):
     slots, new = list(range(100, 140)), list(range(700, 740))
     layers = [torch.full(view.physical_shape, 0.5, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     ref = [x.clone() for x in layers]
+    # the reference through torch: the service's compiled path is not checked against itself
     place_many([kv.cuda()], [ref], layout, [torch.tensor(slots)], rope=rope, old_positions=[pos],
-               new_positions=[torch.tensor(new)])
+               new_positions=[torch.tensor(new)], backend="torch")
     torch.cuda.synchronize()
     key = f"layers-{name}-{os.getpid()}"
     with CacheClient(service.socket_path) as client:
@@ -44,7 +45,10 @@ def test_per_layer_cuda_allocations_restore_bit_exact(service, name):
         reg = client.register(layers, layout, rope=rope)
         try:
             assert registration_of(client.status(), reg.reg_id)["memory"] == "cuda_ipc"
+            before = client.status()["counters"]["placements_one_array"]
             client.restore(reg, [(key, slots, new)])
+            # per-layer allocations take the one compiled preparation, as one allocation does
+            assert client.status()["counters"]["placements_one_array"] == before + 1
             torch.cuda.synchronize()
             for got, want in zip(layers, ref):
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
