@@ -176,16 +176,43 @@ def in_process_restore(cache, layout, rope, resident_originals, plan, device: st
         slots.append(as_index_tensor(slot))
         old.append(pos)
         new.append(as_index_tensor(newpos))
-    place_many(kvs, cache, layout, slots, rope=rope, old_positions=old, new_positions=new)
+    caches = cache if isinstance(cache, torch.Tensor) else [cache] * len(kvs)  # (a per-layer list: every item's)
+    place_many(kvs, caches, layout, slots, rope=rope, old_positions=old, new_positions=new)
     sync(device)
 
 
-def _alloc(layout, device):
+def _alloc(layout, device, per_layer: bool = False):
+    """``(shared memory to close or None, what is registered, the cache as the service writes it)``;
+    ``per_layer``: one allocation per layer, as vLLM makes them (lists)."""
+    if per_layer:
+        view = layout.per_layer()
+        if device == "cpu":
+            shared = [SharedCache(view, fill=0) for _ in range(layout.num_layers)]
+            return shared, shared, [x.tensor for x in shared]
+        layers = [torch.zeros(view.physical_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        return None, layers, layers
     if device == "cpu":
         shared = SharedCache(layout, fill=0)
         return shared, shared, shared.tensor
     t = layout.allocate(device, fill=0)
     return None, t, t
+
+
+def _local(layout, device, per_layer: bool):
+    if not per_layer:
+        return layout.allocate(device, fill=0)
+    view = layout.per_layer()
+    return [torch.zeros(view.physical_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+
+
+def _bytes(cache) -> torch.Tensor:
+    parts = [cache] if isinstance(cache, torch.Tensor) else cache
+    return torch.cat([x.reshape(-1).view(torch.uint8).cpu() for x in parts])
+
+
+def _close(shared) -> None:
+    for x in shared if isinstance(shared, list) else [shared] if shared is not None else []:
+        x.close()
 
 
 def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out) -> None:
@@ -224,14 +251,17 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
     out.put({"pid": os.getpid(), "errors": errors, "times": times, "first_s": first, "start": start, "end": end})
 
 
-def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = None, timing_runs: int | None = None) -> dict:
+def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = None, timing_runs: int | None = None,
+           per_layer: bool = False) -> dict:
+    """``per_layer``: both paths restore into one allocation per layer (the service's registration
+    is of those allocations), as vLLM allocates its caches."""
     device = args.device
     pairs = args.pairs if pairs is None else pairs
     timing_runs = args.timing_runs if timing_runs is None else timing_runs
     layout, rope, plan, resident = child_setup(device, args.inputs, shape)  # uploaded once, like the service's copies
     sync(device)
-    shared, registrable, svc_cache = _alloc(layout, device)
-    local = layout.allocate(device, fill=0)
+    shared, registrable, svc_cache = _alloc(layout, device, per_layer)
+    local = _local(layout, device, per_layer)
     reg = client.register(registrable, layout, rope=rope)
     items = [RestoreItem(k, s, p) for k, s, p in plan]
 
@@ -248,7 +278,7 @@ def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = N
     for _ in range(args.warmup):
         run_local()
         run_service()
-    identical = torch.equal(local.view(torch.uint8).cpu(), svc_cache.view(torch.uint8).cpu())
+    identical = torch.equal(_bytes(local), _bytes(svc_cache))
     loc, svc = [], []
     for i in range(pairs):  # alternating which path goes first
         if i % 2 == 0:
@@ -266,8 +296,7 @@ def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = N
         stages = stage_medians(rows)
     client.close_registration(reg, timeout=120)
     svc_cache = registrable = None
-    if shared is not None:
-        shared.close()
+    _close(shared)
     ratios = sorted(b / a for a, b in zip(loc, svc))
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     # Balanced blocks: pairs 2k and 2k + 1 run in-process, service, service, in-process, so each
@@ -454,9 +483,16 @@ def transport_floor(args, request_bytes: int, spins: dict) -> dict:
 
 
 def shape_sweep(args, client, socket_path) -> list:
-    """The paired comparison for larger children (``--shapes``): the service's fixed cost against
-    the restore's size."""
+    """The paired comparison into per-layer allocations (``--per-layer-pairs``; vLLM's own) and for
+    larger children (``--shapes``): the service's fixed cost against the restore's size."""
     rows = []
+    if args.per_layer_pairs > 0:
+        r = paired(args, client, socket_path, SEED, pairs=args.per_layer_pairs, timing_runs=0, per_layer=True)
+        rows.append({"shape": {**dataclasses.asdict(SEED), "name": "seed, per-layer"}, "per_layer": True,
+                     "child_mib": SEED.child_bytes / 2**20,
+                     **{k: r[k] for k in ("in_process_median_ms", "service_median_ms", "median_paired_ratio",
+                                          "paired_ratio_quartiles", "median_block_ratio", "median_paired_diff_ms",
+                                          "bit_identical")}})
     for name in [n for n in args.shapes.split(",") if n]:
         shape = SHAPES[name]
         for key, kv, pos in originals(shape=shape):
@@ -464,7 +500,7 @@ def shape_sweep(args, client, socket_path) -> list:
         r = paired(args, client, socket_path, shape, pairs=args.shape_pairs, timing_runs=0)
         for key, _, _ in originals(shape=shape):
             client.evict(key)
-        rows.append({"shape": dataclasses.asdict(shape), "child_mib": shape.child_bytes / 2**20,
+        rows.append({"shape": dataclasses.asdict(shape), "per_layer": False, "child_mib": shape.child_bytes / 2**20,
                      **{k: r[k] for k in ("in_process_median_ms", "service_median_ms", "median_paired_ratio",
                                           "paired_ratio_quartiles", "median_block_ratio", "median_paired_diff_ms",
                                           "bit_identical")}})
@@ -492,12 +528,17 @@ def main(argv=None) -> int:
                     help="comma-separated larger children for the paired comparison ("
                          + ", ".join(k for k in SHAPES if k != "seed") + "; default: all of them on cuda, none on cpu)")
     ap.add_argument("--shape-pairs", type=int, default=11, help="pairs per larger child")
+    ap.add_argument("--per-layer-pairs", type=int, default=None,
+                    help="pairs of the seed child restored into one allocation per layer (default: 21 on cuda, "
+                         "0 on cpu; 0: skip)")
     ap.add_argument("--floor-rounds", type=int, default=201,
                     help="round trips of the transport floor (0: skip it)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
     if args.shapes is None:
         args.shapes = "7b,70b" if args.device == "cuda" else ""
+    if args.per_layer_pairs is None:
+        args.per_layer_pairs = 21 if args.device == "cuda" else 0
     unknown = [n for n in args.shapes.split(",") if n and n not in SHAPES]
     if unknown:
         ap.error(f"--shapes: unknown {unknown}; known: {sorted(SHAPES)}")
@@ -572,12 +613,12 @@ def main(argv=None) -> int:
               f"protocol.read_frame on both ends, no work): median {floor['median_us']:.1f} us "
               f"(quartiles {floor['quartiles_us'][0]:.1f}..{floor['quartiles_us'][1]:.1f}){share}")
     if sweep:
-        print("larger children (same token structure; paired, alternating; medians):")
-        print(f"  {'shape':<6}{'child MiB':>10}{'in-process ms':>15}{'service ms':>12}{'diff ms':>9}"
+        print("per-layer allocations and larger children (same token structure; paired, alternating; medians):")
+        print(f"  {'shape':<16}{'child MiB':>10}{'in-process ms':>15}{'service ms':>12}{'diff ms':>9}"
               f"{'paired ratio':>14}{'blocks':>8}  bit-identical")
         for r in sweep:
             blk = f"{r['median_block_ratio']:.3f}" if r["median_block_ratio"] is not None else "n/a"
-            print(f"  {r['shape']['name']:<6}{r['child_mib']:>10.1f}{r['in_process_median_ms']:>15.3f}"
+            print(f"  {r['shape']['name']:<16}{r['child_mib']:>10.1f}{r['in_process_median_ms']:>15.3f}"
                   f"{r['service_median_ms']:>12.3f}{r['median_paired_diff_ms']:>9.3f}{r['median_paired_ratio']:>14.3f}"
                   f"{blk:>8}  {r['bit_identical']}")
     print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "

@@ -34,9 +34,10 @@ def test_ssd_routes_cpu_mode(tmp_path):
 
 def test_bench_service_cpu_mode(tmp_path):
     _run("bench_service.py", "--pairs", "2", "--timing-runs", "3", "--clients", "2", "--rounds", "3",
-         "--back-to-back", "2", "--shapes", "7b", "--shape-pairs", "2", "--floor-rounds", "5", out=tmp_path)
+         "--back-to-back", "2", "--shapes", "7b", "--shape-pairs", "2", "--per-layer-pairs", "2", "--floor-rounds", "5", out=tmp_path)
     res = json.loads((tmp_path / "bench_service_cpu.json").read_text())
-    (larger,) = res["larger_children"]
+    layers, larger = res["larger_children"]
+    assert layers["per_layer"] and layers["bit_identical"] and layers["in_process_median_ms"] > 0
     assert larger["shape"]["name"] == "7b" and larger["bit_identical"] and larger["child_mib"] > 20
     floor = res["transport_floor"]
     assert floor["rounds"] == 5 and floor["median_us"] > 0 and floor["share_of_in_process_back_to_back"] > 0
