@@ -352,6 +352,7 @@ class _Verifier:
             with self.streams.on_work():
                 done = torch.cuda.Event()
                 done.record()
+            _stamp("digests joined")
             done.synchronize()
             got = self._host_roots.numpy()[:n]
         else:
@@ -651,6 +652,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         failure = failures[0] if failures else None
         if failure is not None:
             raise failure
+        _stamp("loads settled")
         verify_s, bad = verifier.finish()
         _stamp("roots compared")
         if bad:
