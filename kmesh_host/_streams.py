@@ -150,10 +150,13 @@ class _Streams:
         """The caller's stream waits for every stream of this restore (once; later calls do nothing)."""
         if self.caller is not None and not self._joined:
             self._joined = True
-            self.caller.wait_stream(self.copy)
-            self.caller.wait_stream(self.work)
-            for side in self._sides:
-                self.caller.wait_stream(side)
+            caller = self.caller.cuda_stream
+            for stream in (self.copy, self.work, *self._sides):
+                # a driver event and wait (two ctypes calls) where the driver takes them; torch's
+                # wait_stream (a new event object each) otherwise
+                event = _launch.DriverEvent.recorded(stream.cuda_stream)
+                if event is None or not _launch.wait_event(caller, event.cuda_event):
+                    self.caller.wait_stream(stream)
 
     def sync(self) -> None:
         """Wait on the host for the caller's stream (everything joined into it)."""

@@ -295,8 +295,11 @@ class _Verifier:
         # reads), so that once the last digest is done the comparison is one wait and a host
         # compare of 32-byte rows (no upload of the expected roots, no comparison kernels)
         self._host_roots = None
+        self._root_events: list = []  # per object (pinned table only): an event after its root's download
         if mode == "device" and objects > 0 and buffer.is_cuda:
             self._host_roots = torch.empty((objects, 32), dtype=torch.uint8, pin_memory=True)
+            self._device_index = buffer.device.index if buffer.device.index is not None else \
+                torch.cuda.current_device()
 
     def _mark(self) -> None:
         if self.started is None:
@@ -324,6 +327,12 @@ class _Verifier:
                 k = len(self._roots)
                 if self._host_roots is not None and k < len(self._host_roots):
                     self._host_roots[k].copy_(root[0], non_blocking=True)
+                    # the comparison waits for this event alone: not for a join of every stream
+                    event = _driver.DriverEvent.recorded(_driver.current_stream(self._device_index))
+                    if event is None:
+                        event = torch.cuda.Event()
+                        event.record()
+                    self._root_events.append(event)
                 self._roots.append(root)
         elif self.mode == "host" and lease is not None:
             self._mark()
@@ -345,17 +354,17 @@ class _Verifier:
                     if not _host_root_ok(h, host):
                         bad.append(h.key)
             return time.perf_counter() - self.started, bad
-        self.streams.digests_done()
         n = len(headers)
-        if self._host_roots is not None and len(self._roots) == n <= len(self._host_roots):
-            # every root is on its way to the pinned table: one wait, after every digest's download
-            with self.streams.on_work():
-                done = torch.cuda.Event()
-                done.record()
-            _stamp("digests joined")
-            done.synchronize()
+        if self._host_roots is not None and len(self._roots) == n == len(self._root_events) <= len(self._host_roots):
+            # every root is on its way to the pinned table: wait for each download's event (no
+            # stream waits for the digests here: the placement reads the buffer, not the roots, and
+            # the caller's stream joins the digest streams before the buffer can go, in join())
+            for event in self._root_events:
+                event.synchronize()
+            _stamp("roots downloaded")
             got = self._host_roots.numpy()[:n]
         else:
+            self.streams.digests_done()
             with self.streams.on_work():
                 if self.mode == "device-batched":
                     params = {(h.tree_leaf_size, h.tree_fanout) for h in headers}

@@ -92,7 +92,7 @@ def child_steps(trace, report, digests: DigestTimes | None = None) -> dict:
     for n, t in trace:
         if n == "placement prepared":
             out["placement_prepared_after_start_ms"] = (t - start) * 1e3
-        elif n in ("loads settled", "digests joined", "roots compared", "verified", "placement launched", "synced",
+        elif n in ("loads settled", "roots downloaded", "roots compared", "verified", "placement launched", "synced",
                    "end"):
             out[f"{n} (after last landing)"] = (t - last) * 1e3
     if digests is not None:
