@@ -72,6 +72,8 @@ class _Streams:
     """
 
     SIDE_STREAMS = 4
+    #: ``False``: :meth:`join` through torch's ``wait_stream`` only (the earlier way; for comparisons)
+    DRIVER_JOIN = True
 
     def __init__(self, device: torch.device):
         self.caller = self.copy = self.work = self.start = None
@@ -154,7 +156,7 @@ class _Streams:
             for stream in (self.copy, self.work, *self._sides):
                 # a driver event and wait (two ctypes calls) where the driver takes them; torch's
                 # wait_stream (a new event object each) otherwise
-                event = _launch.DriverEvent.recorded(stream.cuda_stream)
+                event = _launch.DriverEvent.recorded(stream.cuda_stream) if self.DRIVER_JOIN else None
                 if event is None or not _launch.wait_event(caller, event.cuda_event):
                     self.caller.wait_stream(stream)
 

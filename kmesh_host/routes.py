@@ -359,8 +359,15 @@ class _Verifier:
             # every root is on its way to the pinned table: wait for each download's event (no
             # stream waits for the digests here: the placement reads the buffer, not the roots, and
             # the caller's stream joins the digest streams before the buffer can go, in join())
-            for event in self._root_events:
-                event.synchronize()
+            if JOIN_BEFORE_COMPARE:  # the earlier arrangement, kept for comparisons
+                self.streams.digests_done()
+                with self.streams.on_work():
+                    done = torch.cuda.Event()
+                    done.record()
+                done.synchronize()
+            else:
+                for event in self._root_events:
+                    event.synchronize()
             _stamp("roots downloaded")
             got = self._host_roots.numpy()[:n]
         else:
@@ -450,6 +457,9 @@ def _check_targets(targets) -> list[RestoreTarget]:
 
 # ----------------------------------------------------------------------------------- host staging
 TRACE: list | None = None  # tools set a list: restore_host_staging appends (step, perf_counter()) to it
+#: ``True``: the root comparison waits for every digest stream joined into the work stream (the
+#: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
+JOIN_BEFORE_COMPARE = False
 
 
 def _stamp(step: str) -> None:

@@ -33,6 +33,10 @@ from kmesh_host import HostTier  # noqa: E402
 from kmesh_host import routes as routes_mod  # noqa: E402
 
 MODES = ("device", "device-batched", "none")
+#: ``--ab``: verify="device" with the tail's current arrangement against the earlier one (every
+#: digest stream joined into the work stream before the roots are compared; the caller's join
+#: through torch's wait_stream), alternating child by child
+AB = {"device, root events": (False, True), "device, joined (before)": (True, False)}
 
 
 class DigestTimes:
@@ -107,7 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--children", type=int, default=4)
     ap.add_argument("--data-dir", default=None, help="default: a temporary folder under perf/out")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ab", action="store_true", help="compare the tail's arrangements (see AB) instead of modes")
     args = ap.parse_args(argv)
+    from kmesh_host import _streams
+    modes = list(AB) if args.ab else list(MODES)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = Path(__file__).resolve().parent.parent / "perf" / "out"
     base.mkdir(parents=True, exist_ok=True)
@@ -116,20 +123,30 @@ def main(argv=None) -> int:
         work, _ = rs.retained_child(tmp, device)
         cfg = rs.HostTierConfig(budget_bytes=64 * rs.MIB, pin=device.type == "cuda", retain=True, singleflight=False,
                                 verify="none", read_threads=16, chunk_bytes=rs.MIB, parallel_loads=4)
-        rows = {m: [] for m in MODES}
+        rows = {m: [] for m in modes}
+
+        def child(m, c):
+            if m in AB:
+                routes_mod.JOIN_BEFORE_COMPARE, _streams._Streams.DRIVER_JOIN = AB[m]
+                try:
+                    return work.child("host_staging", c, tier, verify="device", evict=True)
+                finally:
+                    routes_mod.JOIN_BEFORE_COMPARE, _streams._Streams.DRIVER_JOIN = False, True
+            return work.child("host_staging", c, tier, verify=m, evict=True)
+
         with HostTier(work.store, cfg) as tier:
-            for m in MODES:  # warm-up: kernels compiled, buffers pinned
-                work.child("host_staging", 0, tier, verify=m, evict=True)
+            for m in modes:  # warm-up: kernels compiled, buffers pinned
+                child(m, 0)
             routes_mod.TRACE = trace = []
             digests = kmesh_gpu.tree_digests = DigestTimes()
             try:
                 for r in range(args.rounds):
-                    order = MODES[r % 3:] + MODES[:r % 3]
-                    for m in order:
-                        for c in range(args.children):
+                    for c in range(args.children):  # modes alternate child by child, order rotating
+                        k = (r * args.children + c) % len(modes)
+                        for m in modes[k:] + modes[:k]:
                             trace.clear()
                             digests.start()
-                            run = work.child("host_staging", c, tier, verify=m, evict=True)
+                            run = child(m, c)
                             rows[m].append(child_steps(list(trace), run["report"], digests))
             finally:
                 routes_mod.TRACE = None
@@ -140,7 +157,7 @@ def main(argv=None) -> int:
     summary = {}
     print(f"forced-read children on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
           f"{args.rounds} rounds x {args.children} children per mode; medians, ms")
-    for m in MODES:
+    for m in modes:
         keys = list(dict.fromkeys(k for r in rows[m] for k in r if k != "stamps"))
         med = {}
         for k in keys:
@@ -151,8 +168,15 @@ def main(argv=None) -> int:
         for k, v in med.items():
             print(f"    {k:<42}{'n/a' if v is None else f'{v:8.3f}'}")
     print("  stamps of one child per mode:")
-    for m in MODES:
+    for m in modes:
         print(f"    {m}: {rows[m][-1]['stamps']}")
+    if args.ab:
+        a, b = (rows[m] for m in AB)
+        ratios = sorted(x["restore_ms"] / y["restore_ms"] for x, y in zip(a, b))
+        tails = [x["tail_ms"] - y["tail_ms"] for x, y in zip(a, b)]
+        print(f"  per-child ratio of restore times (root events / joined): median {statistics.median(ratios):.3f} "
+              f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}..{statistics.quantiles(ratios, n=4)[2]:.3f}); "
+              f"median tail difference {statistics.median(tails):+.3f} ms")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_forced_read_tail.json"), "w") as f:
