@@ -60,7 +60,7 @@ from kmesh_gpu import _place_driver  # the all-resident path's placement in one 
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
-from ._streams import _CallerStream, _Streams
+from ._streams import _CallerStream, _raw_stream, _Streams
 from .direct_io import ALIGN, round_up
 from .segment import ModelFingerprint, Segment, SegmentHeader, check_fingerprint, check_payload
 from .store import SegmentStore
@@ -457,6 +457,10 @@ def _check_targets(targets) -> list[RestoreTarget]:
 
 # ----------------------------------------------------------------------------------- host staging
 TRACE: list | None = None  # tools set a list: restore_host_staging appends (step, perf_counter()) to it
+#: ``True``: a child whose objects are all resident in page-locked memory and trusted is leased, its
+#: staging buffer made and its first copy queued in one short step (``HostTier.acquire_ready``);
+#: ``False``: through the general start, as any other child (comparisons, ``tools/ab_lane.py``)
+READY = True
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -510,28 +514,51 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     prepare_s, sources, o_direct_flags, io_notes = 0.0, {}, set(), set()
     landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
-        # Resident objects are leased here, on this thread: no read and no thread hop.
-        leases[:] = tier.acquire_resident_many([t.key for t in targets], model_fingerprint=model_fingerprint)
-        headers = [lease.header if lease is not None else store.read_header(t.key)
-                   for lease, t in zip(leases, targets)]
-        for lease, h in zip(leases, headers):
-            if lease is None:  # resident ones were checked when leased
-                check_fingerprint(h, model_fingerprint)
-        _stamp("leased")
-        offsets, total = _layout_offsets(headers)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        base = buffer.data_ptr()
-        # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
-        # digests of several objects run side by side on separate streams, so they keep _Streams
-        lean = device.type == "cuda" and all(
-            lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
-        streams = _CallerStream(device) if lean else _Streams(device)
-        early = 0  # objects whose copy is already queued
-        if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
-            addr, pinned = leases[0].payload_memory()
-            early = int(pinned and _driver.copy_htod(base + offsets[0], addr, headers[0].padded_length,
-                                                     streams.copy_handle()))
-        _stamp("buffer allocated")
+        keys = [t.key for t in targets]
+        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
+        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
+        # the first object's copy, before anything else is arranged.
+        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
+            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
+        if ready is not None:
+            leases[:], rows = ready
+            _stamp("leased")
+            offsets, total = [], 0
+            for _, nbytes in rows:
+                offsets.append(total)
+                total += -(-nbytes // ALIGN) * ALIGN
+            buffer = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], _raw_stream(index)))
+            _stamp("first copy queued")
+            headers = [lease.header for lease in leases]
+            lean, streams = True, _CallerStream(device)
+        else:
+            # Resident objects are leased here, on this thread: no read and no thread hop.
+            leases[:] = tier.acquire_resident_many(keys, model_fingerprint=model_fingerprint)
+            headers = [lease.header if lease is not None else store.read_header(t.key)
+                       for lease, t in zip(leases, targets)]
+            for lease, h in zip(leases, headers):
+                if lease is None:  # resident ones were checked when leased
+                    check_fingerprint(h, model_fingerprint)
+            _stamp("leased")
+            offsets, total = _layout_offsets(headers)
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
+            # digests of several objects run side by side on separate streams, so they keep _Streams
+            lean = device.type == "cuda" and all(
+                lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
+            streams = _CallerStream(device) if lean else _Streams(device)
+            early = 0  # objects whose copy is already queued
+            if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
+                addr, pinned = leases[0].payload_memory()
+                early = int(pinned and _driver.copy_htod(base + offsets[0], addr, headers[0].padded_length,
+                                                         streams.copy_handle()))
+            _stamp("first copy queued")
         # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
         resident = [i for i in range(n) if leases[i] is not None]
         resident_event = None

@@ -382,6 +382,36 @@ class HostTier:
             self.stats["hits"] += len(out) - out.count(None)
             return out
 
+    def acquire_ready(self, keys, *, model_fingerprint: ModelFingerprint, verified: bool):
+        """Leases on every key at once when each is resident in page-locked memory (and, with
+        ``verified``, was checked when it entered), with the ``(address, bytes)`` of each payload:
+        ``(leases, rows)``; else ``None`` and nothing is taken. One pass under the lock, for a restore
+        whose copies can start at once (:meth:`acquire_resident_many` serves the others).
+
+        Raises FingerprintMismatch (taking no lease) when a resident key belongs to another model."""
+        if self._closed:
+            raise KmeshError("host tier is closed")
+        with self._lock:
+            entries = self._entries
+            found = []
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    return None
+                check_fingerprint(entry.header, model_fingerprint)
+                buf = entry.buffer
+                if not buf.pinned or (verified and entry.verified is None):
+                    return None
+                found.append(entry)
+            leases, rows = [], []
+            for entry in found:
+                entry.refs += 1
+                entries.move_to_end(entry.key)
+                leases.append(HostLease(self, entry, "hit"))
+                rows.append((entry.buffer.address + entry.lead, entry.header.padded_length))
+            self.stats["hits"] += len(found)
+            return leases, rows
+
     def acquire_async(self, key: str, *, model_fingerprint: ModelFingerprint,
                       on_chunk: Callable[[torch.Tensor, int, int], None] | None = None) -> "Future[HostLease]":
         """:meth:`acquire` on the tier's loader threads, so several objects load at once.

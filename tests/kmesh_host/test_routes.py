@@ -631,6 +631,44 @@ def test_resident_child_runs_on_the_callers_stream(store, segments, trust):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+@pytest.mark.parametrize("verify", ["device", "none"])
+def test_resident_child_starts_in_one_step_and_places_what_the_general_start_places(store, segments, monkeypatch,
+                                                                                     device, verify):
+    """A child whose objects are all resident, page-locked and trusted is leased and its first copy
+    queued in one step (``HostTier.acquire_ready``); a child that is not (its first restore reads)
+    takes the general start. Both starts, and ``routes.READY`` off, give the same cache and objects."""
+    from kmesh_host import routes
+
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    tier = make_tier(store, "cuda", retain=True)
+    got, real = [], tier.acquire_ready
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        got.append(out is not None)
+        return out
+
+    monkeypatch.setattr(tier, "acquire_ready", counted)
+    restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
+                         layout=layout, rope=ROPE, verify=verify)
+    assert got == [False]  # nothing resident yet: read, then the general path
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    for ready in (True, False, True):
+        monkeypatch.setattr(routes, "READY", ready)
+        cache = layout.allocate("cuda", fill=0x7F)
+        got.clear()
+        result = restore_host_staging(store, targets, model_fingerprint=FP, device=device, tier=tier, cache=cache,
+                                      layout=layout, rope=ROPE, verify=verify)
+        assert got == ([True] if ready else [])
+        assert result.report.tier_sources == {"hit": len(segments)} and result.report.placed
+        assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+        for (_, kv, _), out in zip(segments, result.kv):
+            assert torch.equal(out.cpu(), kv)
+    tier.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("refused", ["none", "the first copy", "the other copies"])
 def test_resident_child_copies_exactly_whichever_driver_copy_is_refused(store, segments, monkeypatch, refused):
     """A trusted resident child queues its first object's copy alone, before anything else, then the

@@ -13,6 +13,7 @@ import torch
 import kmesh_host.store as store_mod
 from kmesh_host import (
     BudgetExceeded,
+    KmeshError,
     FingerprintMismatch,
     IntegrityError,
     ModelFingerprint,
@@ -307,6 +308,71 @@ def test_acquire_resident_many_leases_the_resident_keys_only(store, keys):
         tier.acquire_resident_many([keys[2], keys[0]], model_fingerprint=other)
     tier.evict()  # frees every buffer now only if no lease is left anywhere
     assert tier.pool.in_use_bytes == 0
+    tier.close()
+
+
+def _as_pinned(tier, keys, pinned: bool = True):
+    """Mark the entries' buffers page-locked, or back (a CPU tier's are not; acquire_ready reads the
+    flag only; a release of a page-locked buffer's lease would reach for CUDA)."""
+    for k in keys:
+        tier._entries[k].buffer.pinned = pinned
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_acquire_ready_leases_every_key_at_once_or_takes_nothing(store, keys, verified):
+    """Every key resident, page-locked and (when asked) verified: a lease on each, in order, and the
+    address and length of each payload; any key missing, unpinned or unverified: ``None`` with no
+    reference taken; another model's resident key: FingerprintMismatch with none taken."""
+    tier = tier_for(store, verify="sha256" if verified else "none")
+    for k in keys[:3]:
+        tier.acquire(k, model_fingerprint=FP).release()
+
+    def refs():
+        out = []
+        for k in keys[:3]:
+            lease = tier.acquire_resident(k, model_fingerprint=FP)
+            out.append(lease._entry.refs)
+            lease.release()
+        return out
+
+    before = refs()
+    assert tier.acquire_ready(keys[:3], model_fingerprint=FP, verified=verified) is None  # not page-locked
+    _as_pinned(tier, keys[:3])
+    assert tier.acquire_ready([keys[0], keys[3]], model_fingerprint=FP, verified=verified) is None  # one missing
+    assert refs() == before
+    hits = tier.stats["hits"]
+    order = [keys[2], keys[0], keys[1], keys[0]]
+    leases, rows = tier.acquire_ready(order, model_fingerprint=FP, verified=verified)
+    assert [lease.key for lease in leases] == order and [lease.source for lease in leases] == ["hit"] * 4
+    assert rows == [(lease.payload_memory()[0], lease.header.padded_length) for lease in leases]
+    assert torch.equal(leases[0].kv, kv_for(2)) and torch.equal(leases[2].kv, kv_for(1))
+    assert tier.stats["hits"] == hits + 4 and tier.stats["reads"] == 3
+    assert refs() == [before[0] + 2, before[1] + 1, before[2] + 1]
+    _as_pinned(tier, keys[:3], False)
+    for lease in leases:
+        lease.release()
+    assert refs() == before
+    _as_pinned(tier, keys[:3])
+    other = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
+    with pytest.raises(FingerprintMismatch):
+        tier.acquire_ready([keys[0], keys[1]], model_fingerprint=other, verified=verified)
+    assert refs() == before
+    _as_pinned(tier, keys[:3], False)
+    tier.close()
+    with pytest.raises(KmeshError, match="closed"):
+        tier.acquire_ready(keys[:1], model_fingerprint=FP, verified=verified)
+
+
+def test_acquire_ready_asked_for_verified_entries_refuses_unchecked_ones(store, keys):
+    tier = tier_for(store, verify="none")  # entries enter unchecked
+    for k in keys[:2]:
+        tier.acquire(k, model_fingerprint=FP).release()
+    _as_pinned(tier, keys[:2])
+    assert tier.acquire_ready(keys[:2], model_fingerprint=FP, verified=True) is None
+    leases, _ = tier.acquire_ready(keys[:2], model_fingerprint=FP, verified=False)
+    _as_pinned(tier, keys[:2], False)
+    for lease in leases:
+        lease.release()
     tier.close()
 
 
