@@ -68,6 +68,28 @@ def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
     return fn(dst, src, nbytes, stream) == 0
 
 
+_DTOH: list = []  # [cuMemcpyDtoHAsync_v2 or None], resolved once
+
+
+def copy_dtoh(dst: int, src: int, nbytes: int, stream: int) -> bool:
+    """``cuMemcpyDtoHAsync``: ``nbytes`` from device address ``src`` to host address ``dst``
+    (page-locked, or the copy is not asynchronous) on the raw stream ``stream``; ``True`` once the
+    driver accepted it (``False``: nothing was queued, and the caller copies another way)."""
+    if not _DTOH:
+        fn = None
+        try:
+            fn = _QUICK_LIB("libcuda.so.1").cuMemcpyDtoHAsync_v2
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            fn = None
+        _DTOH.append(fn)
+    fn = _DTOH[0] if ENABLED else None
+    if fn is None:
+        return False
+    return fn(dst, src, nbytes, stream) == 0
+
+
 def copies_htod(desc: np.ndarray, count: int, stream: int) -> int:
     """``count`` host-to-device copies queued on the raw stream ``stream`` (``desc``: int64 rows of
     device address, host address, bytes; the host memory page-locked, or a copy is not

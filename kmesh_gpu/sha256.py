@@ -472,6 +472,25 @@ def _tree_fast(data, offsets, lengths, leaf_size, fanout):
     return (lane or _lane(data)).run(data, plan)
 
 
+def _tree_launch(data: torch.Tensor, offset: int, length: int, leaf_size: int, fanout: int, stream: int,
+                 out: torch.Tensor) -> bool:
+    """Private (``kmesh_host.routes``): the root of ``data[offset:offset + length]`` into ``out``
+    (``uint8[1, 32]``, contiguous, on ``data``'s device) by one launch on the raw stream ``stream``,
+    for a call :func:`tree_digests` made before with ``[offset]``, ``[length]`` and these parameters
+    on that stream (its checks passed, its plan and launch arguments are ready there). ``False``,
+    with nothing launched, for anything else: the caller then takes :func:`tree_digests`."""
+    if _CUPY_TREE != "fused" or _FUSED_COUNTERS != "reset":
+        return False
+    plan = _VALIDATED.get(((offset,), (length,), leaf_size, fanout))
+    if plan is None or data.numel() < plan.end or plan.n_obj != 1:
+        return False
+    lane = _LANES.get((data.get_device(), stream))
+    if lane is None or plan not in lane.prepared:
+        return False
+    lane.run(data, plan, out)
+    return True
+
+
 def _cupy_tree(t, plan: _TreePlan, out) -> None:
     """The one-launch-per-level path (kept for comparison: ``_CUPY_TREE = "levels"``)."""
     buf = torch.empty(plan.total_bytes, dtype=torch.uint8, device=t.device)

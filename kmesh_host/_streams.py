@@ -74,6 +74,8 @@ class _Streams:
     SIDE_STREAMS = 4
     #: ``False``: :meth:`join` through torch's ``wait_stream`` only (the earlier way; for comparisons)
     DRIVER_JOIN = True
+    #: ``False``: :meth:`copied` records torch events (the earlier way; for comparisons)
+    DRIVER_EVENTS = True
 
     def __init__(self, device: torch.device):
         self.caller = self.copy = self.work = self.start = None
@@ -113,22 +115,44 @@ class _Streams:
         return self._on(self.work, self._work_ids) if self.work is not None else contextlib.nullcontext()
 
     def copied(self):
-        """An event completing after every copy issued so far (``None`` on the CPU)."""
+        """An event completing after every copy issued so far (``None`` on the CPU): a driver event
+        where the driver takes it (a quarter of the host cost of torch's), else torch's."""
         if self.copy is None:
             return None
-        event = torch.cuda.Event()
-        event.record(self.copy)
+        event = _launch.DriverEvent.recorded(self.copy.cuda_stream) if self.DRIVER_EVENTS else None
+        if event is None:
+            event = torch.cuda.Event()
+            event.record(self.copy)
         return event
+
+    @staticmethod
+    def _wait(stream, event) -> None:
+        """``stream`` waits (on the device) for ``event``, a torch or a driver event."""
+        if type(event) is _launch.DriverEvent:
+            if not _launch.wait_event(stream.cuda_stream, event.cuda_event):
+                event.synchronize()  # the driver refused the wait: the host waits instead
+        else:
+            stream.wait_event(event)
 
     def work_after(self, event) -> None:
         """Work issued from now on runs after ``event`` (a device-side wait; the host goes on)."""
         if event is not None:
-            self.work.wait_event(event)
+            self._wait(self.work, event)
 
     def on_digest(self, event):
         """A context for one object's digest: the next side stream, after ``event`` (its copy)."""
+        side = self.digest_side(event)
+        return contextlib.nullcontext() if side is None else self._on(side)
+
+    def on_side(self, side):
+        """A context in which ``side`` (from :meth:`digest_side`) is torch's current stream."""
+        return self._on(side)
+
+    def digest_side(self, event):
+        """The next side stream for one object's digest, made to wait for ``event`` (its copy);
+        ``None`` on the CPU."""
         if self.work is None:
-            return contextlib.nullcontext()
+            return None
         if len(self._sides) < self.SIDE_STREAMS:
             k = len(self._sides)
             if k == len(self._pool):  # the thread's side streams, taken from torch's pool once
@@ -140,8 +164,8 @@ class _Streams:
             side = self._sides[self._next_side % self.SIDE_STREAMS]
         self._next_side += 1
         if event is not None:
-            side.wait_event(event)
-        return self._on(side)
+            self._wait(side, event)
+        return side
 
     def digests_done(self) -> None:
         """Work issued from now on runs after every digest."""

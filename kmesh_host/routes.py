@@ -57,6 +57,7 @@ import torch
 import kmesh_gpu
 from kmesh_gpu import _launch as _driver  # driver-level async H2D copies of pinned host memory
 from kmesh_gpu import _place_driver  # the all-resident path's placement in one compiled call
+from kmesh_gpu import sha256 as _sha256  # _tree_launch: a repeated digest as one launch
 from kmesh_gpu.errors import BackendError, IntegrityError, LayoutError
 from kmesh_gpu.place import _prepare_at, prepare_place_many  # _prepare_at: items by address (our buffer)
 
@@ -296,10 +297,10 @@ class _Verifier:
         # compare of 32-byte rows (no upload of the expected roots, no comparison kernels)
         self._host_roots = None
         self._root_events: list = []  # per object (pinned table only): an event after its root's download
+        self._dev_roots = None  # their device rows (made at the first digest), for the short path
+        self.fast_digests = 0  # digests that took the short path (tests, tools)
         if mode == "device" and objects > 0 and buffer.is_cuda:
             self._host_roots = torch.empty((objects, 32), dtype=torch.uint8, pin_memory=True)
-            self._device_index = buffer.device.index if buffer.device.index is not None else \
-                torch.cuda.current_device()
 
     def _mark(self) -> None:
         if self.started is None:
@@ -320,24 +321,53 @@ class _Verifier:
         self._checked.append((offset, header, lease))
         if self.mode == "device":
             self._mark()
+            k = len(self._roots)
+            if self._host_roots is not None and k < len(self._host_roots):
+                self._roots.append(self._digest_to_table(k, offset, header, event))
+                return
             with self.streams.on_digest(event):
                 root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
                                               leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
                                               backend=self.backend)
-                k = len(self._roots)
-                if self._host_roots is not None and k < len(self._host_roots):
-                    self._host_roots[k].copy_(root[0], non_blocking=True)
-                    # the comparison waits for this event alone: not for a join of every stream
-                    event = _driver.DriverEvent.recorded(_driver.current_stream(self._device_index))
-                    if event is None:
-                        event = torch.cuda.Event()
-                        event.record()
-                    self._root_events.append(event)
                 self._roots.append(root)
         elif self.mode == "host" and lease is not None:
             self._mark()
             if not _host_root_ok(header, lease.payload.numpy()):
                 self._host_bad.append(header.key)
+
+    def _digest_to_table(self, k: int, offset: int, header: SegmentHeader, event) -> torch.Tensor:
+        """Object ``k``'s digest on the next side stream after ``event``, its root downloaded into
+        row ``k`` of the pinned table there and an event recorded after it (the comparison waits
+        for that event alone, not for a join of every stream). Runs on the reader's completion
+        thread, between chunk landings, so it is kept short: a digest this restore's shape has had
+        on that stream before is one launch into a row of a device table and one driver copy
+        (``sha256._tree_launch``); anything else goes through :func:`kmesh_gpu.tree_digests` and
+        torch, which also makes the next one short."""
+        side = self.streams.digest_side(event)
+        root = None
+        if FAST_DIGESTS and self.backend in ("auto", "cupy"):
+            if self._dev_roots is None:
+                self._dev_roots = torch.empty((len(self._host_roots), 32), dtype=torch.uint8, device=self.buffer.device)
+            out = self._dev_roots[k:k + 1]
+            if _sha256._tree_launch(self.buffer, offset, header.padded_length, header.tree_leaf_size,
+                                    header.tree_fanout, side.cuda_stream, out):
+                root = out
+                self.fast_digests += 1
+                if not _driver.copy_dtoh(self._host_roots.data_ptr() + 32 * k, out.data_ptr(), 32, side.cuda_stream):
+                    with self.streams.on_side(side):
+                        self._host_roots[k].copy_(out[0], non_blocking=True)
+        if root is None:
+            with self.streams.on_side(side):
+                root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
+                                              leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
+                                              backend=self.backend)
+                self._host_roots[k].copy_(root[0], non_blocking=True)
+        done = _driver.DriverEvent.recorded(side.cuda_stream)
+        if done is None:
+            done = torch.cuda.Event()
+            done.record(side)
+        self._root_events.append(done)
+        return root
 
     def finish(self) -> tuple[float, list[str]]:
         """``(seconds since the first check started, keys whose root does not match)``."""
@@ -461,6 +491,13 @@ TRACE: list | None = None  # tools set a list: restore_host_staging appends (ste
 #: staging buffer made and its first copy queued in one short step (``HostTier.acquire_ready``);
 #: ``False``: through the general start, as any other child (comparisons, ``tools/ab_lane.py``)
 READY = True
+#: ``True``: an object's digest repeated from an earlier restore of the same shape is one launch and
+#: one driver copy of its root from the reader's completion thread (``_Verifier._digest_to_table``);
+#: ``False``: through ``kmesh_gpu.tree_digests`` and torch every time (comparisons)
+FAST_DIGESTS = True
+#: ``True``: a chunk read from storage is copied to the GPU by one driver call from the reader's
+#: completion thread; ``False``: through torch (comparisons, ``tools/probe_read_factors.py``)
+CHUNK_DRIVER_COPIES = True
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -657,10 +694,19 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if missing:
             pending = len(missing)
 
+            # Each chunk's copy is queued from the engine's completion thread as the chunk lands:
+            # one driver call where the tier's buffers are page-locked (a copy through torch, under
+            # a stream context, made that thread slow enough to hold back the reads themselves:
+            # ~10% of a child's read time, tools/probe_read_factors.py), torch's copy otherwise.
+            copy_handle = streams.copy_handle() if CHUNK_DRIVER_COPIES and tier.pool.pin else None
+
             def on_chunk(j, chunk, lo, hi):
                 if stopped:
                     return
                 off = offsets[missing[j]]
+                if copy_handle is not None and _driver.copy_htod(base + off + lo, chunk.data_ptr(), chunk.numel(),
+                                                                 copy_handle):
+                    return
                 with streams.on_copy():  # a raise here fails that object's load (on_done gets it)
                     buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
 

@@ -136,6 +136,45 @@ def test_host_staging_places_like_the_in_memory_path(store, segments, device, sh
     tier.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("driver", [True, False], ids=["driver copies", "torch copies"])
+@pytest.mark.parametrize("verify", ["device", "none"])
+def test_read_chunks_go_to_the_gpu_exactly_from_the_completion_thread(store, segments, monkeypatch, driver, verify):
+    """A forced read's chunks are copied to the GPU from the reader's completion thread as they land:
+    one driver copy per chunk of page-locked tier memory (``routes.CHUNK_DRIVER_COPIES``), or
+    through torch; a chunk the driver refuses goes through torch. The objects and the placed cache
+    are exact either way."""
+    from kmesh_gpu import _launch
+    from kmesh_host import routes
+
+    monkeypatch.setattr(routes, "CHUNK_DRIVER_COPIES", driver)
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    calls, real = [], _launch.copy_htod
+
+    def counted(*a):
+        calls.append(a[2])
+        return False if len(calls) == 2 else real(*a)  # the second chunk is refused: torch copies it
+
+    monkeypatch.setattr(_launch, "copy_htod", counted)
+    tier = make_tier(store, "cuda", chunk_bytes=8192)  # several chunks per object
+    for _ in range(2):
+        tier.evict()
+        calls.clear()
+        cache = layout.allocate("cuda", fill=0x7F)
+        result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                      layout=layout, rope=ROPE, verify=verify)
+        assert result.report.tier_sources == {"read": len(segments)} and result.report.placed
+        assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+        for (_, kv, _), got in zip(segments, result.kv):
+            assert torch.equal(got.cpu(), kv)
+        if driver:  # every chunk of every object, once (the refused one included: torch copied it)
+            assert len(calls) > len(segments) and sum(calls) == sum(h.padded_length for h in result.headers)
+        else:
+            assert calls == []
+    tier.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
 def test_corrupt_payload_is_refused_and_nothing_is_placed(store, segments, device, verify):
@@ -495,6 +534,57 @@ def test_overlapped_verification_names_every_corrupt_object(store, segments, dev
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
     assert tier.resident() == [segments[2][0]]  # retention keeps only what checked out
     assert tier.pool.in_use_bytes == tier.resident_bytes
+    tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [True, False], ids=["short digests", "tree_digests"])
+def test_repeated_forced_reads_check_every_object_on_the_short_digest_path(store, segments, monkeypatch, fast):
+    """From the second forced read of a shape on, each object's digest is one launch into a device
+    row and one driver copy of its root (``routes.FAST_DIGESTS``): the objects and cache stay exact,
+    and an object corrupted on storage after the warm-up is still named, with nothing placed."""
+    from kmesh_host import routes
+
+    monkeypatch.setattr(routes, "FAST_DIGESTS", fast)
+    monkeypatch.setattr(routes._sha256, "_VALIDATED", {})  # no digest of this shape checked before
+    short, real = [], routes._sha256._tree_launch
+
+    def counted(*a):
+        short.append(real(*a))
+        return short[-1]
+
+    monkeypatch.setattr(routes._sha256, "_tree_launch", counted)
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    tier = make_tier(store, "cuda", retain=False)
+    for child in range(3):
+        short.clear()
+        cache = layout.allocate("cuda", fill=0x7F)
+        result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                      layout=layout, rope=ROPE, verify="device")
+        assert result.report.tier_sources == {"read": len(segments)}
+        assert result.report.verified == {"device kmesh-tree-sha256 root (this call)": len(segments)}
+        assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+        if fast:  # the first restore of this shape prepares each object's digest on its stream
+            assert short == ([False] * len(segments) if child == 0 else [True] * len(segments))
+        else:
+            assert short == []
+    key = segments[1][0]
+    off = store.read_header(key).payload_offset
+    with open(store.path(key), "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x20]))
+    cache = layout.allocate("cuda", fill=0x7F)
+    before = cache.clone()
+    short.clear()
+    with pytest.raises(IntegrityError, match=key) as err:
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE, verify="device")
+    assert segments[0][0] not in str(err.value) and segments[2][0] not in str(err.value)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    assert short == ([True] * len(segments) if fast else [])
     tier.close()
 
 
