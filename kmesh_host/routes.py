@@ -8,7 +8,10 @@ reader keeps its queue depth from the first chunk to the last. When an object's 
 copied, the thread that copied it launches the object's tree digest on a side stream that waits
 for the copy's event (a device-side wait, not a host one), while the reads of later objects
 continue; objects that land
-together hash concurrently on separate side streams. With the tier's retention a resident
+together hash concurrently on separate side streams. All of that runs on the reader's completion
+thread between chunk landings, so it is kept short (a late landing is a late restore): a chunk's
+copy is one driver call, and a digest the route has made before on that stream (every child after
+the first of a shape) one launch plus one driver download of its root. With the tier's retention a resident
 segment skips the read and is copied from RAM in one H2D per object, issued before anything else
 so the DMA overlaps the placement preparation; it was verified when it
 entered the tier (the tier's host check, or an earlier restore's device check of a copy of that
@@ -26,10 +29,10 @@ moves no bytes and changes no label. (Its code: :mod:`kmesh_host.direct_route`.)
 
 Both routes verify every object that is not already verified where it landed: the
 kmesh-tree-sha256/v1 root of its padded payload is computed on the device
-(``kmesh_gpu.tree_digests``, one launch per object as soon as its bytes are in place) and all roots
-are compared with the stored ones once, after the last object (one host-device synchronisation,
-one flag per object comes back); only then is the KV placed into the paged cache with one
-``kmesh_gpu.place_many`` launch (K shifted to new positions when a RoPE spec is given). A mismatch
+(``kmesh_gpu.tree_digests``, one launch per object as soon as its bytes are in place), each root
+downloaded into a page-locked table right behind its digest, and all roots are compared with the
+stored ones on the host once every download's event has completed; only then is the KV placed into
+the paged cache with one launch (K shifted to new positions when a RoPE spec is given). A mismatch
 raises IntegrityError naming every bad segment, nothing is placed, and the bad segment leaves the
 host tier.
 
