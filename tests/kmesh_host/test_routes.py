@@ -90,6 +90,16 @@ def reference_cache(segments, targets, layout, device, *, rope):
     return cache
 
 
+def flip_payload_bit(store, key: str, at: int, mask: int) -> None:
+    """Corrupt segment ``key`` on storage: payload byte ``at`` XOR ``mask``."""
+    off = store.read_header(key).payload_offset
+    with open(store.path(key), "r+b") as f:
+        f.seek(off + at)
+        byte = f.read(1)
+        f.seek(off + at)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 # ------------------------------------------------------------------ host staging
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("verify,engine", [("device", "io_uring"), ("device-batched", "auto"), ("host", "threads"),
@@ -179,12 +189,7 @@ def test_read_chunks_go_to_the_gpu_exactly_from_the_completion_thread(store, seg
 @pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
 def test_corrupt_payload_is_refused_and_nothing_is_placed(store, segments, device, verify):
     key = segments[1][0]
-    off = store.read_header(key).payload_offset
-    with open(store.path(key), "r+b") as f:
-        f.seek(off + 333)
-        byte = f.read(1)
-        f.seek(off + 333)
-        f.write(bytes([byte[0] ^ 0x04]))
+    flip_payload_bit(store, key, 333, 0x04)
     layout, cache, targets = cache_and_targets(segments, device, shifted=False)
     before = cache.clone()
     tier = make_tier(store, device)
@@ -517,12 +522,7 @@ def test_resident_objects_are_trusted_or_reverified(store, segments):
 @pytest.mark.parametrize("verify", ["device", "device-batched", "host"])
 def test_overlapped_verification_names_every_corrupt_object(store, segments, device, verify):
     for key, _, _ in segments[:2]:
-        off = store.read_header(key).payload_offset
-        with open(store.path(key), "r+b") as f:
-            f.seek(off + 4100)
-            byte = f.read(1)
-            f.seek(off + 4100)
-            f.write(bytes([byte[0] ^ 0x01]))
+        flip_payload_bit(store, key, 4100, 0x01)
     layout, cache, targets = cache_and_targets(segments, device, shifted=True)
     before = cache.clone()
     tier = make_tier(store, device, retain=True)
@@ -570,12 +570,7 @@ def test_repeated_forced_reads_check_every_object_on_the_short_digest_path(store
         else:
             assert short == []
     key = segments[1][0]
-    off = store.read_header(key).payload_offset
-    with open(store.path(key), "r+b") as f:
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0x20]))
+    flip_payload_bit(store, key, 100, 0x20)
     cache = layout.allocate("cuda", fill=0x7F)
     before = cache.clone()
     short.clear()
