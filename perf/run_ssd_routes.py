@@ -152,12 +152,18 @@ def disk_bandwidth(data_dir: str, mib: int, threads: int, chunk: int, reps: int 
 
 class SameShapeRead:
     """The child's payload ranges read concurrently (O_DIRECT, cache dropped), as the route queues them:
-    every chunk of every object at once, in object order, on one reader; buffers allocated once."""
+    every chunk of every object at once, in object order, on one reader; buffers allocated once.
 
-    def __init__(self, work: "Workload", threads: int, chunk: int, engine: str = "auto"):
-        self.work, self.threads, self.chunk = work, threads, chunk
-        self.engine = ReadEngine(threads, chunk, engine=engine)
-        self.buffers = [HostBuffer(h.payload_offset % 4096 + h.padded_length) for h in work.headers]
+    ``engine``: a ReadEngine name, or an engine to share (not closed here); ``pin``: page-locked
+    buffers; ``on_chunk(i, lo, hi)``: run on the engine's completion thread as each chunk of object
+    ``i`` lands (tools time what such work does to the reads)."""
+
+    def __init__(self, work: "Workload", threads: int, chunk: int, engine="auto", *, pin: bool = False,
+                 on_chunk=None):
+        self.work, self.threads, self.chunk, self.on_chunk = work, threads, chunk, on_chunk
+        self._own = not isinstance(engine, ReadEngine)
+        self.engine = ReadEngine(threads, chunk, engine=engine) if self._own else engine
+        self.buffers = [HostBuffer(h.payload_offset % 4096 + h.padded_length, pin=pin) for h in work.headers]
         self.times, self.o_direct = [], set()
 
     def once(self) -> float:
@@ -166,12 +172,21 @@ class SameShapeRead:
         files = [DirectFile(work.store.local_path(k)) for k in work.keys]
         left = threading.Semaphore(0)
         errors = []
+        hook = self.on_chunk
+
+        def landed(i, lo, hi, err):
+            if err is not None:
+                errors.append(err)
+            elif hook is not None:
+                hook(i, lo, hi)
+            left.release()
+
         try:
             t0 = time.perf_counter()
             count = 0
-            for f, h, b, k in zip(files, work.headers, self.buffers, work.keys):
+            for i, (f, h, b, k) in enumerate(zip(files, work.headers, self.buffers, work.keys)):
                 count += self.engine.start(f, h.payload_offset, h.padded_length, b.view,
-                                           lambda lo, hi, err: (err and errors.append(err), left.release()), name=k)
+                                           lambda lo, hi, err, i=i: landed(i, lo, hi, err), name=k)
             for _ in range(count):
                 left.acquire()
             dt = time.perf_counter() - t0
@@ -192,7 +207,8 @@ class SameShapeRead:
                 "interleaved": "measured inside the forced-read pairs, between the route runs"}
 
     def close(self) -> None:
-        self.engine.close()
+        if self._own:
+            self.engine.close()
         for b in self.buffers:
             b.close()
 

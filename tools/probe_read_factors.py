@@ -34,8 +34,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -47,61 +45,39 @@ from kmesh_gpu import _launch  # noqa: E402
 from kmesh_host import HostTier  # noqa: E402
 from kmesh_host import routes as routes_mod  # noqa: E402
 from kmesh_host._streams import _Streams  # noqa: E402
-from kmesh_host.direct_io import DirectFile, HostBuffer, ReadEngine  # noqa: E402
+from kmesh_host.direct_io import ReadEngine  # noqa: E402
 
 RAW = ("raw", "pinned", "torch copy", "driver copy")
 
 
-class Reader:
+class Reader(rs.SameShapeRead):
+    """The benchmark's raw read, into plain or page-locked buffers, each chunk optionally copied to
+    the GPU from its callback (``copy``: ``None``, ``"torch"`` or ``"driver"``)."""
+
     def __init__(self, work, engine: ReadEngine, pin: bool, copy: str | None, device):
-        self.work, self.engine, self.copy = work, engine, copy
-        self.buffers = [HostBuffer(h.payload_offset % 4096 + h.padded_length, pin=pin) for h in work.headers]
-        self.dst = torch.empty(sum(b.nbytes for b in self.buffers), dtype=torch.uint8, device=device)
+        super().__init__(work, engine.threads, engine.chunk_bytes, engine, pin=pin,
+                         on_chunk=None if copy is None else self._copy)
+        self.copy = copy
+        self.offsets, at = [], 0
+        for b in self.buffers:
+            self.offsets.append(at)
+            at += b.nbytes
+        self.dst = torch.empty(at, dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device)
         self.raw_stream = self.stream.cuda_stream
 
+    def _copy(self, i, lo, hi):
+        at = self.offsets[i]
+        if self.copy == "torch":
+            with torch.cuda.stream(self.stream):
+                self.dst[at + lo: at + hi].copy_(self.buffers[i].tensor[lo:hi], non_blocking=True)
+        else:
+            _launch.copy_htod(self.dst.data_ptr() + at + lo, self.buffers[i].address + lo, hi - lo, self.raw_stream)
+
     def once(self) -> float:
-        work = self.work
-        work.drop_page_cache()
-        files = [DirectFile(work.store.local_path(k)) for k in work.keys]
-        left = threading.Semaphore(0)
-        errors = []
-        offsets, at = [], 0
-        for b in self.buffers:
-            offsets.append(at)
-            at += b.nbytes
-        base = self.dst.data_ptr()
-
-        def done(i, lo, hi, err):
-            if err is not None:
-                errors.append(err)
-            elif self.copy == "torch":
-                with torch.cuda.stream(self.stream):
-                    self.dst[offsets[i] + lo: offsets[i] + hi].copy_(self.buffers[i].tensor[lo:hi], non_blocking=True)
-            elif self.copy == "driver":
-                _launch.copy_htod(base + offsets[i] + lo, self.buffers[i].address + lo, hi - lo, self.raw_stream)
-            left.release()
-
-        try:
-            t0 = time.perf_counter()
-            count = 0
-            for i, (f, h, b, k) in enumerate(zip(files, work.headers, self.buffers, work.keys)):
-                count += self.engine.start(f, h.payload_offset, h.padded_length, b.view,
-                                           lambda lo, hi, err, i=i: done(i, lo, hi, err), name=k)
-            for _ in range(count):
-                left.acquire()
-            dt = time.perf_counter() - t0
-        finally:
-            for f in files:
-                f.close()
+        dt = super().once()
         self.stream.synchronize()
-        if errors:
-            raise errors[0]
         return dt
-
-    def close(self):
-        for b in self.buffers:
-            b.close()
 
 
 def main() -> None:
