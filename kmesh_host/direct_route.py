@@ -140,7 +140,7 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
     if is_direct:
         report.notes.append("cuFile can still fall back to POSIX per file when its own allow_compat_mode is "
                             "set and the filesystem is unsupported; cufile.log records such fallbacks")
-    files, registered, streams = [], None, None
+    files, registered, streams, verifier = [], None, None, None
     prepare_s = 0.0
     try:
         headers = [store.read_header(t.key) for t in targets]
@@ -202,6 +202,8 @@ def restore_direct(store: SegmentStore, targets, *, model_fingerprint: ModelFing
     finally:
         if streams is not None:
             streams.join()
+        if verifier is not None:
+            verifier.settle()
         for f in files:
             f.close()
         if registered is not None:

@@ -372,6 +372,19 @@ class _Verifier:
         self._root_events.append(done)
         return root
 
+    def settle(self) -> None:
+        """Wait for every digest and root download still pending where the short path queued them:
+        its downloads are driver copies into the pinned table, which torch's pinned allocator does
+        not track, and its device rows were made on the completion thread's stream. Called before
+        the table and rows can go, also when a restore fails before :meth:`finish` (after it, the
+        events have completed and this only queries them)."""
+        if self.fast_digests:
+            for event in self._root_events:
+                try:
+                    event.synchronize()
+                except RuntimeError:  # a device error: the restore's own error (or finish's) reports it
+                    pass
+
     def finish(self) -> tuple[float, list[str]]:
         """``(seconds since the first check started, keys whose root does not match)``."""
         if not self._checked:
@@ -769,6 +782,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             stopped.append(True)
         if streams is not None:
             streams.join()
+        if verifier is not None:
+            verifier.settle()
         # Loads still in flight after an early error: take their leases so every one is released.
         drained = bool(pending)
         while pending:

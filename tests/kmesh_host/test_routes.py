@@ -667,6 +667,44 @@ def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segment
     tier.close()
 
 
+def test_every_restore_settles_its_verifier_whatever_happened(store, segments, monkeypatch):
+    """The short digest path's downloads are driver copies torch's pinned allocator does not track:
+    before the pinned table can go, the route waits for them (``_Verifier.settle``) after a success
+    and after a failure alike; settle waits for each root event only when the short path ran, and a
+    device error there does not replace the restore's own."""
+    from kmesh_host import routes
+
+    settled = []
+    real = routes._Verifier.settle
+    monkeypatch.setattr(routes._Verifier, "settle", lambda self: settled.append(self.mode) or real(self))
+    targets = [RestoreTarget(k) for k, _, _ in segments]
+    tier = make_tier(store, "cpu", retain=False)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, verify="device")
+    assert settled == ["device"]
+    flip_payload_bit(store, segments[0][0], 10, 0x01)
+    with pytest.raises(IntegrityError, match=segments[0][0]):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, verify="device")
+    assert settled == ["device", "device"]
+    tier.close()
+
+    class Event:
+        def __init__(self, fail=False):
+            self.fail, self.waited = fail, 0
+
+        def synchronize(self):
+            self.waited += 1
+            if self.fail:
+                raise RuntimeError("CUDA error: injected")
+
+    v = routes._Verifier("device", torch.zeros(8, dtype=torch.uint8), "auto", None, trust_verified=True)
+    v._root_events = [Event(), Event(fail=True), Event()]
+    real(v)  # nothing went the short way: nothing to wait for
+    assert [e.waited for e in v._root_events] == [0, 0, 0]
+    v.fast_digests = 1
+    real(v)
+    assert [e.waited for e in v._root_events] == [1, 1, 1]
+
+
 def test_forced_reads_reuse_the_pooled_buffers(store, segments):
     tier = make_tier(store, "cpu", retain=True)
     targets = [RestoreTarget(k) for k, _, _ in segments]
