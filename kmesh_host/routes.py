@@ -156,10 +156,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _layout_offsets(headers: list[SegmentHeader]) -> tuple[list[int], int]:
+    return _offsets_of([h.padded_length for h in headers])
+
+
+def _offsets_of(lengths) -> tuple[list[int], int]:
+    """Each object's offset in the staging buffer (aligned) and the buffer's size, for ``lengths`` bytes."""
     offsets, total = [], 0
-    for h in headers:
+    for nbytes in lengths:
         offsets.append(total)
-        total += round_up(h.padded_length, ALIGN)
+        total += round_up(nbytes, ALIGN)
     return offsets, max(total, ALIGN)
 
 
@@ -576,11 +581,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         if ready is not None:
             leases[:], rows = ready
             _stamp("leased")
-            offsets, total = [], 0
-            for _, nbytes in rows:
-                offsets.append(total)
-                total += -(-nbytes // ALIGN) * ALIGN
-            buffer = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
+            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
             base = buffer.data_ptr()
             _stamp("staging allocated")
             index = device.index if device.index is not None else torch.cuda.current_device()
