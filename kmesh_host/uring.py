@@ -36,6 +36,11 @@ _ENTER_GETEVENTS = 1
 OP_NOP, OP_READ = 0, 22
 _STOP = (1 << 64) - 1  # user_data of the NOP that wakes the completion thread to stop
 
+#: tools set a list: :class:`UringReader` appends ``("submit", perf_counter, reads)`` per submission
+#: and ``("wake", perf_counter at wake-up, completions reaped, perf_counter after their callbacks)``
+#: per wake-up of its completion thread (``tools/probe_read_timeline.py``)
+TRACE: list | None = None
+
 _libc = None
 
 
@@ -267,11 +272,14 @@ class UringReader:
             rc = ring.submit()
             if rc < 0:  # ring sizes rule out a full completion queue; anything else is a broken ring
                 raise OSError(-rc, f"io_uring_enter: {os.strerror(-rc)}")
+            if TRACE is not None:
+                TRACE.append(("submit", time.perf_counter(), rc))
 
     def _reap(self) -> None:
         ring = self.ring
         while True:
             ring.wait()
+            woke = time.perf_counter()
             finished = []
             with self._lock:
                 for ud, res in ring.reap():
@@ -294,6 +302,8 @@ class UringReader:
                     self._finish(op, res)
                 except BaseException as exc:  # a callback's own failure must not stop the reaper
                     self.callback_errors.append(exc)
+            if TRACE is not None and finished:
+                TRACE.append(("wake", woke, len(finished), time.perf_counter()))
             with self._lock:
                 if not self._ops and not self._backlog:
                     self._idle.notify_all()
