@@ -267,14 +267,15 @@ class ReadEngine:
         return lead, start, [(a, min(total, a + self.chunk_bytes)) for a in range(0, total, self.chunk_bytes)]
 
     def _read(self, file: DirectFile, buffer: memoryview, base: int, a: int, b: int, file_offset: int,
-              done: Callable[[int, BaseException | None], None]) -> None:
-        """Read ``buffer[a:b]`` from ``file_offset``; ``done(nbytes, error)`` once it is whole or failed."""
+              done: Callable[[int, BaseException | None], None], after: Callable[[], None] | None = None) -> None:
+        """Read ``buffer[a:b]`` from ``file_offset``; ``done(nbytes, error)`` once it is whole or failed,
+        then ``after()`` (see :meth:`start`)."""
         if self._uring is not None:
             view = buffer[a:b]
             # a failed read is redone synchronously: it raises the StorageError, or (EINVAL on the
             # first O_DIRECT read) the file falls back to the page cache as on the thread pool
             self._uring.read(file.fileno(), base + a, b - a, file_offset, done, size=file.size,
-                             retry=lambda: file.pread_into(view, file_offset))
+                             retry=lambda: file.pread_into(view, file_offset), after=after)
             return
 
         def run():
@@ -282,8 +283,10 @@ class ReadEngine:
                 n = file.pread_into(buffer[a:b], file_offset)
             except BaseException as exc:
                 done(0, exc)
-                return
-            done(n, None)
+            else:
+                done(n, None)
+            if after is not None:
+                after()
 
         self._pool.submit(run)
 
@@ -309,7 +312,8 @@ class ReadEngine:
         return RangeRead(file, name or file.path, lead, length, pieces)
 
     def start(self, file: DirectFile, offset: int, length: int, buffer: memoryview,
-              on_chunk: Callable[[int, int, BaseException | None], None], *, name: str = "") -> int:
+              on_chunk: Callable[[int, int, BaseException | None], None], *, name: str = "",
+              after: Callable[[], None] | None = None) -> int:
         """Start reading ``file[offset : offset + length]`` into ``buffer`` (placed as in :meth:`submit`).
 
         ``on_chunk(lo, hi, error)`` runs once per chunk, as it completes (any order), on the
@@ -317,6 +321,12 @@ class ReadEngine:
         when ``error`` is ``None``; otherwise ``error`` is the read's StorageError, or an
         IntegrityError when the file ends inside the range. Returns the number of chunks, i.e. of
         ``on_chunk`` calls to expect.
+
+        ``after()`` (optional) runs on the same thread after a group of ``on_chunk`` calls that
+        completed together: with io_uring once per wake-up of the completion thread that reaped
+        any of this range's reads (after every callback of that wake-up), on the thread pool after
+        each chunk's ``on_chunk``. A hint for batching follow-up work; it is not called for chunks
+        that fail before they are queued.
         """
         lead, start, chunks = self._chunks(file, offset, length, buffer)
         end = lead + length
@@ -325,7 +335,7 @@ class ReadEngine:
         for a, b in chunks:
             done = functools.partial(_chunk_done, a, b, lead, end, label, on_chunk)
             try:
-                self._read(file, buffer, base, a, b, start + a, done)
+                self._read(file, buffer, base, a, b, start + a, done, after)
             except Exception as exc:  # not queued (engine closed, io_uring_enter failed): this chunk fails
                 done(0, exc if isinstance(exc, StorageError) else
                      StorageError(f"segment {label}: read at {start + a} could not be queued: {exc}"))

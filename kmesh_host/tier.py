@@ -424,7 +424,7 @@ class HostTier:
         return self._loader.submit(self.acquire, key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
 
     def start_loads(self, keys, *, model_fingerprint: ModelFingerprint, on_done: Callable,
-                    on_chunk: Callable | None = None, headers=None) -> None:
+                    on_chunk: Callable | None = None, headers=None, on_batch: Callable | None = None) -> None:
         """Bring ``keys`` into the tier together; ``on_done(i, lease, error)`` reports each of them.
 
         Resident keys are leased at once (``source="hit"``). For the others every chunk read is
@@ -439,6 +439,11 @@ class HostTier:
         FingerprintMismatch, IntegrityError, StorageError, BudgetExceeded); it runs on the thread that
         finished the load, or on this one for keys that fail or hit at once. Neither callback may
         block or raise. ``headers``: the keys' headers when the caller has read them already.
+        ``on_batch()`` (optional; must not raise) runs on a reading thread after a group of those
+        callbacks of this call's reads that completed together (``ReadEngine.start``'s ``after``):
+        a hint for doing follow-up work once per group; it is not a promise that every ``on_done``
+        is followed by one (a host check moves ``on_done`` to another thread, a failure or a hit
+        reports at once).
         """
         if self._closed:
             raise KmeshError("host tier is closed")
@@ -472,7 +477,7 @@ class HostTier:
             try:
                 header = headers[i] if headers is not None else self.store.read_header(key)
                 check_fingerprint(header, model_fingerprint)
-                loads.append(_PipelinedLoad(self, i, key, header, call, on_chunk, on_done))
+                loads.append(_PipelinedLoad(self, i, key, header, call, on_chunk, on_done, on_batch))
             except BaseException as exc:
                 if call is not None:
                     self._flight.settle(key, call, error=exc)
@@ -718,9 +723,10 @@ class _PipelinedLoad:
     the read pool only ever reads.
     """
 
-    def __init__(self, tier: HostTier, i: int, key: str, header: SegmentHeader, call, on_chunk, on_done):
+    def __init__(self, tier: HostTier, i: int, key: str, header: SegmentHeader, call, on_chunk, on_done,
+                 on_batch=None):
         self.tier, self.i, self.key, self.header, self.call = tier, i, key, header, call
-        self.on_chunk, self.on_done = on_chunk, on_done
+        self.on_chunk, self.on_done, self.on_batch = on_chunk, on_done, on_batch
         self.lead = header.payload_offset % 4096
         self.buf = tier.pool.acquire(self.lead + header.padded_length, name=key)
         try:
@@ -740,7 +746,7 @@ class _PipelinedLoad:
             self._chunk(self.lead, self.lead, None)
             return
         self.tier._engine.start(self.file, h.payload_offset, h.padded_length, self.buf.view, self._chunk,
-                                name=self.key)
+                                name=self.key, after=self.on_batch)
 
     def _chunk(self, lo: int, hi: int, error: BaseException | None) -> None:
         if error is None and self.on_chunk is not None and self.error is None:

@@ -216,11 +216,11 @@ def available() -> tuple[bool, str]:
 
 
 class _Read:
-    __slots__ = ("fd", "address", "length", "offset", "size", "done", "callback", "retry")
+    __slots__ = ("fd", "address", "length", "offset", "size", "done", "callback", "retry", "after")
 
-    def __init__(self, fd, address, length, offset, size, callback, retry):
+    def __init__(self, fd, address, length, offset, size, callback, retry, after):
         self.fd, self.address, self.length, self.offset, self.size = fd, address, length, offset, size
-        self.done, self.callback, self.retry = 0, callback, retry
+        self.done, self.callback, self.retry, self.after = 0, callback, retry, after
 
 
 class UringReader:
@@ -231,6 +231,11 @@ class UringReader:
     short only at end of file) or failed. A failed read is retried once by ``retry()`` when given
     (a synchronous read that may, for one, reopen the file without O_DIRECT); its result or error
     is then reported. Reads queued beyond ``depth`` wait in order for a free slot.
+
+    ``after()`` (optional, per read) runs on the completion thread once the callbacks of every read
+    that one wake-up reaped have run, once per distinct hook: a caller whose reads complete
+    together (a disk that completes a batch of reads at once) does its follow-up work once for the
+    batch rather than once per read.
     """
 
     def __init__(self, depth: int = 16):
@@ -247,10 +252,11 @@ class UringReader:
         self._thread.start()
 
     def read(self, fd: int, address: int, length: int, offset: int, callback: Callable[[int, BaseException | None], None],
-             *, size: int | None = None, retry: Callable[[], int] | None = None) -> None:
+             *, size: int | None = None, retry: Callable[[], int] | None = None,
+             after: Callable[[], None] | None = None) -> None:
         """Queue a read (see the class docstring); ``size``: the file's size, where a short read
         ends the read rather than asking for the rest (which O_DIRECT could not align)."""
-        op = _Read(fd, address, length, offset, (1 << 63) if size is None else size, callback, retry)
+        op = _Read(fd, address, length, offset, (1 << 63) if size is None else size, callback, retry, after)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("UringReader: closed")
@@ -297,10 +303,18 @@ class UringReader:
                         op.done += res
                     finished.append((op, res))
                 self._fill()
+            hooks = {}
             for op, res in finished:
                 try:
                     self._finish(op, res)
                 except BaseException as exc:  # a callback's own failure must not stop the reaper
+                    self.callback_errors.append(exc)
+                if op.after is not None:
+                    hooks[id(op.after)] = op.after
+            for hook in hooks.values():
+                try:
+                    hook()
+                except BaseException as exc:
                     self.callback_errors.append(exc)
             if TRACE is not None and finished:
                 TRACE.append(("wake", woke, len(finished), time.perf_counter()))

@@ -104,9 +104,9 @@ def test_io_uring_kernel_error_is_retried_synchronously(data_file, monkeypatch):
     real = ReadEngine._read
     calls = []
 
-    def misaligned(self, file, buffer, base, a, b, file_offset, done):
+    def misaligned(self, file, buffer, base, a, b, file_offset, done, after=None):
         calls.append(a)
-        return real(self, file, buffer, base + 1 if a == 0 else base, a, b, file_offset, done)
+        return real(self, file, buffer, base + 1 if a == 0 else base, a, b, file_offset, done, after)
 
     monkeypatch.setattr(ReadEngine, "_read", misaligned)
     retries = []
@@ -181,3 +181,41 @@ def test_ring_nop_and_read_round_trip(data_file):
         assert got == {7: 0, 8: 100} and out.raw == data[10:110]
     finally:
         ring.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_after_hook_follows_each_group_of_chunk_callbacks(data_file, engine):
+    """``ReadEngine.start(after=)``: on the thread pool ``after`` runs right after each chunk's
+    callback; with io_uring once per wake-up of the completion thread, after every callback that
+    wake-up ran (each distinct hook once). Either way every callback is followed by an ``after`` on
+    its thread, none runs before the first callback, and a range without the hook runs none."""
+    path, data = data_file(20 * 4096)
+    log, lock, done = [], threading.Lock(), threading.Semaphore(0)
+    with DirectFile(path) as f, DirectFile(path) as g, ReadEngine(8, 4096, engine=engine) as reader, \
+            HostBuffer(20 * 4096) as buf, HostBuffer(20 * 4096) as other:
+        def chunk(lo, hi, err):
+            assert err is None
+            with lock:
+                log.append(("chunk", threading.get_ident()))
+            done.release()
+
+        def after():
+            with lock:
+                log.append(("after", threading.get_ident()))
+
+        n = reader.start(f, 0, 20 * 4096, buf.view, chunk, after=after)
+        m = reader.start(g, 0, 20 * 4096, other.view, lambda lo, hi, err: done.release())  # no hook
+        for _ in range(n + m):
+            done.acquire()
+        reader.close()  # every callback and hook has run
+        assert bytes(buf.view[:20 * 4096]) == data
+    chunks = [e for e in log if e[0] == "chunk"]
+    afters = [e for e in log if e[0] == "after"]
+    assert len(chunks) == n == 20 and log[0][0] == "chunk" and log[-1][0] == "after"
+    if engine == "threads":
+        assert len(afters) == n
+    else:
+        assert 1 <= len(afters) <= n
+    for i, (kind, thread) in enumerate(log):  # each callback's thread runs an `after` later on
+        if kind == "chunk":
+            assert ("after", thread) in log[i + 1:]

@@ -144,14 +144,16 @@ class Injector:
         self.rng, self.rate, self.lock, self.failed = random.Random(seed), rate, threading.Lock(), 0
         self.real = tier._engine._read
 
-    def __call__(self, file, buffer, base, a, b, file_offset, done):
+    def __call__(self, file, buffer, base, a, b, file_offset, done, after=None):
         with self.lock:
             fail = self.rng.random() < self.rate
             self.failed += fail
         if fail:
             done(0, StorageError(f"read of {file.path} at {file_offset} failed: injected"))
+            if after is not None:
+                after()
             return
-        self.real(file, buffer, base, a, b, file_offset, done)
+        self.real(file, buffer, base, a, b, file_offset, done, after)
 
 
 def _check_lease(lease, good, key):
@@ -580,11 +582,11 @@ def test_retry_after_a_failed_read_does_a_new_read(tmp_path, monkeypatch, engine
     real = tier._engine._read
     fail = {"on": True}
 
-    def failing(file, buffer, base, a, b, file_offset, done):
+    def failing(file, buffer, base, a, b, file_offset, done, after=None):
         if fail["on"] and a == 4096:
             done(0, StorageError(f"read of {file.path} at {file_offset} failed: injected"))
             return
-        real(file, buffer, base, a, b, file_offset, done)
+        real(file, buffer, base, a, b, file_offset, done, after)
 
     monkeypatch.setattr(tier._engine, "_read", failing)
     _gate_header(monkeypatch, tier, 3)
@@ -639,14 +641,14 @@ def test_failing_on_chunk_returns_the_buffer_only_after_every_read_into_it(tmp_p
     log = []
     real_read = tier._engine._read
 
-    def slow_second(file, buffer, base, a, b, file_offset, done):
+    def slow_second(file, buffer, base, a, b, file_offset, done, after=None):
         if a == 0:
-            return real_read(file, buffer, base, a, b, file_offset, done)
+            return real_read(file, buffer, base, a, b, file_offset, done, after)
 
         def later():
             time.sleep(0.2)
             real_read(file, buffer, base, a, b, file_offset,
-                      lambda n, e: (log.append(("chunk 1 landed", e)), done(n, e)))
+                      lambda n, e: (log.append(("chunk 1 landed", e)), done(n, e)), after)
 
         threading.Thread(target=later).start()
 

@@ -211,8 +211,8 @@ def test_o_direct_fallback_keeps_the_descriptor_queued_reads_name(tmp_path, monk
     open(decoy, "wb").write(b"\xAA" * (8 * ALIGN))
     real_read, real_preadv = ReadEngine._read, os.preadv
 
-    def misaligned_first(self, file, buffer, base, a, b, file_offset, done):  # the kernel refuses chunk 0
-        return real_read(self, file, buffer, base + 1 if a == 0 else base, a, b, file_offset, done)
+    def misaligned_first(self, file, buffer, base, a, b, file_offset, done, after=None):  # the kernel refuses chunk 0
+        return real_read(self, file, buffer, base + 1 if a == 0 else base, a, b, file_offset, done, after)
 
     def refuse_direct(fd, bufs, offset):  # ... and so does the synchronous retry: a filesystem
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:  # refusing O_DIRECT reads
