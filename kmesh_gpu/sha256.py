@@ -472,17 +472,19 @@ def _tree_fast(data, offsets, lengths, leaf_size, fanout):
     return (lane or _lane(data)).run(data, plan)
 
 
-def _tree_launch(data: torch.Tensor, offset: int, length: int, leaf_size: int, fanout: int, stream: int,
+def _tree_launch(data: torch.Tensor, offsets: tuple, lengths: tuple, leaf_size: int, fanout: int, stream: int,
                  out: torch.Tensor) -> bool:
-    """Private (``kmesh_host.routes``): the root of ``data[offset:offset + length]`` into ``out``
-    (``uint8[1, 32]``, contiguous, on ``data``'s device) by one launch on the raw stream ``stream``,
-    for a call :func:`tree_digests` made before with ``[offset]``, ``[length]`` and these parameters
-    on that stream (its checks passed, its plan and launch arguments are ready there). ``False``,
-    with nothing launched, for anything else: the caller then takes :func:`tree_digests`."""
+    """Private (``kmesh_host.routes``): the roots of the objects ``data[offsets[i]:offsets[i] +
+    lengths[i]]`` into the rows of ``out`` (``uint8[N, 32]``, contiguous, on ``data``'s device) by
+    one launch on the raw stream ``stream``, for a call :func:`tree_digests` made before with these
+    offsets and lengths (as lists or tuples of ints: ``offsets`` and ``lengths`` here are tuples)
+    and parameters on that stream (its checks passed, its plan and launch arguments are ready
+    there). ``False``, with nothing launched, for anything else: the caller then takes
+    :func:`tree_digests`."""
     if _CUPY_TREE != "fused" or _FUSED_COUNTERS != "reset":
         return False
-    plan = _VALIDATED.get(((offset,), (length,), leaf_size, fanout))
-    if plan is None or data.numel() < plan.end or plan.n_obj != 1:
+    plan = _VALIDATED.get((offsets, lengths, leaf_size, fanout))
+    if plan is None or data.numel() < plan.end or plan.n_obj != out.shape[0]:
         return False
     lane = _LANES.get((data.get_device(), stream))
     if lane is None or plan not in lane.prepared:

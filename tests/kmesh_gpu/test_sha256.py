@@ -518,28 +518,34 @@ def test_fast_path_new_offsets_reuse_the_shape_and_streams_get_lanes(host_lane):
 
 
 def test_tree_launch_repeats_a_checked_digest_on_its_stream_only(host_lane):
-    """``_tree_launch`` (the route's short path) writes the root of a single-object call that
-    ``tree_digests`` made before, with the same values and parameters, on the same stream, into the
-    row it is given, by one launch and no checks; anything else launches nothing and says so."""
+    """``_tree_launch`` (the route's short path) writes the roots of a call that ``tree_digests``
+    made before, with the same values and parameters, on the same stream, into the rows it is given,
+    by one launch and no checks (one object or several); anything else launches nothing and says so."""
     launches, checks, stream = host_lane
     data = _bytes(85, 300_000)
     raw = data.numpy().tobytes()
-    out = torch.zeros((2, 32), dtype=torch.uint8)
-    assert not sha_mod._tree_launch(data, 7, 70_000, 4096, 64, 1234, out[1:2])  # never checked: no plan
+    out = torch.zeros((3, 32), dtype=torch.uint8)
+    assert not sha_mod._tree_launch(data, (7,), (70_000,), 4096, 64, 1234, out[1:2])  # never checked: no plan
     assert launches == [] and not out.any()
     tree_digests(data, [7], [70_000])  # checked once, on stream 1234
     n_checks, n_launches = len(checks), len(launches)
-    assert sha_mod._tree_launch(data, 7, 70_000, 4096, 64, 1234, out[1:2])
-    assert _rows(out[1:2]) == [tree_digest(raw[7:70_007])] and not out[0].any()
+    assert sha_mod._tree_launch(data, (7,), (70_000,), 4096, 64, 1234, out[1:2])
+    assert _rows(out[1:2]) == [tree_digest(raw[7:70_007])] and not out[0].any() and not out[2].any()
     assert len(checks) == n_checks and len(launches) == n_launches + 1
-    for args in [(data, 8, 70_000, 4096, 64, 1234), (data, 7, 70_001, 4096, 64, 1234),
-                 (data, 7, 70_000, 2048, 64, 1234), (data, 7, 70_000, 4096, 32, 1234),
-                 (data, 7, 70_000, 4096, 64, 5678),  # another stream: its lane has not prepared this
-                 (data[:70_006], 7, 70_000, 4096, 64, 1234)]:  # too short for the plan
+    for args in [(data, (8,), (70_000,), 4096, 64, 1234), (data, (7,), (70_001,), 4096, 64, 1234),
+                 (data, (7,), (70_000,), 2048, 64, 1234), (data, (7,), (70_000,), 4096, 32, 1234),
+                 (data, (7,), (70_000,), 4096, 64, 5678),  # another stream: its lane has not prepared this
+                 (data[:70_006], (7,), (70_000,), 4096, 64, 1234)]:  # too short for the plan
         assert not sha_mod._tree_launch(*args, out[0:1])
+    assert not sha_mod._tree_launch(data, (7,), (70_000,), 4096, 64, 1234, out[0:2])  # rows != objects
     assert len(launches) == n_launches + 1 and not out[0].any()
-    tree_digests(data, [0, 7], [10, 70_000])  # a batch is not a single-object call
-    assert not sha_mod._tree_launch(data, 0, 10, 4096, 64, 1234, out[0:1])
+    # several objects in one launch, once checked together (not as a part of another call)
+    assert not sha_mod._tree_launch(data, (0, 7), (10, 70_000), 4096, 64, 1234, out[0:2])
+    tree_digests(data, [0, 7, 100_000], [10, 70_000, 200_000])
+    assert not sha_mod._tree_launch(data, (0, 7), (10, 70_000), 4096, 64, 1234, out[0:2])
+    out.zero_()
+    assert sha_mod._tree_launch(data, (0, 7, 100_000), (10, 70_000, 200_000), 4096, 64, 1234, out)
+    assert _rows(out) == [tree_digest(raw[0:10]), tree_digest(raw[7:70_007]), tree_digest(raw[100_000:300_000])]
 
 
 # -- GPU: all backends agree, on the data's stream, with poisoned allocator memory ---------------
