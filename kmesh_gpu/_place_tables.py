@@ -19,6 +19,7 @@ from ._once import once_per_key
 from .errors import LayoutError
 from .layout import KVLayout
 
+RUN_LEN_COL = 1  # a run's token count (RUN_LEN): 0 makes the run kernel skip the run (gate.cu)
 _RUN_COLS = 7  # RunCol in place.cu: first token, length, source address, source step, K/V offsets, cache
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _backend, _host_tables, _place_driver
+from . import _backend, _host_tables, _launch, _place_driver
 from .errors import BackendError, LayoutError
-from ._place_tables import (_RUN_COLS, _align_bits, _consts, _i64, _run_table, _runs, _runs_pay,
+from ._place_tables import (_RUN_COLS, RUN_LEN_COL, _align_bits, _consts, _i64, _run_table, _runs, _runs_pay,
                             _tables, _tok_tables, _token_index, _vec16)
 from ._place_torch import torch_run
 from .layout import KVLayout, storage_dtype
@@ -370,6 +370,9 @@ def _run_cap(layout: KVLayout, rope, gather: bool) -> int:
     return 32 * _RUN_GROUPS // per_tok
 
 
+_GATES: dict = {}  # device index -> kmesh_gate_runs (csrc/gate.cu) as a CuPy Function
+
+
 class _Launch:
     """A validated placement with its tables uploaded; ``run()`` submits the one launch.
 
@@ -401,6 +404,33 @@ class _Launch:
         self.layout, self.device, self.rope, self.scale, self.gather = layout, device, rope, scale, False
         self.backend, self.empty, self.tables = backend, False, tables
         return self
+
+    def gate(self, got: int, want: int, nbytes: int, stream: int) -> bool:
+        """Private (``kmesh_host.routes``): queue on the raw stream ``stream``, ahead of :meth:`run`
+        there, a comparison of the ``nbytes`` bytes at device addresses ``got`` and ``want`` that
+        empties this launch's run table (each run's length set to 0, so the run kernel writes
+        nothing) unless they are equal (``csrc/gate.cu``). ``True`` once queued; ``False``, with
+        nothing queued, where this launch has no run table on the device (other kernels, backends)
+        or the driver refused: the caller then compares on the host before :meth:`run`."""
+        tables = self.tables
+        if self.empty or self.backend != "cupy" or tables is None or tables.get("runs") is None \
+                or "run_args" not in tables or nbytes <= 0:
+            return False
+        runs, _, _, count = tables["run_args"]
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        fn = _GATES.get(index)
+        if fn is None:
+            try:
+                import cupy
+
+                from ._jit import get_kernel
+
+                kernel = get_kernel("gate.cu", "kmesh_gate_runs", device_id=index)
+                with cupy.cuda.Device(index):
+                    fn = _GATES[index] = getattr(kernel, "kernel", kernel)  # the Function (its ptr)
+            except (BackendError, ImportError):
+                return False
+        return _launch.launch(fn, (1,), (256,), stream, (got, want, nbytes, runs, count, _RUN_COLS, RUN_LEN_COL))
 
     def run(self) -> None:
         if self.empty:

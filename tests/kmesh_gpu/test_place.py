@@ -757,3 +757,52 @@ def test_driver_helpers_decline_without_a_driver_or_a_function(monkeypatch):
     monkeypatch.setattr(_launch, "ENABLED", True)
     if _launch._driver() is not None:  # a machine with libcuda: an argument over 63 bits is declined
         assert _launch.launch(Fn(), (1,), (32,), 0, (1 << 64,)) is False
+
+
+def _gate_case(device: str, backend: str):
+    """A placement of 300 full blocks (300 runs of 16 tokens, RoPE shift) prepared, not run."""
+    from kmesh_gpu.place import prepare_place_many
+
+    layout = KVLayout.from_vllm("NHD", num_layers=2, num_blocks=320, block_size=16, num_kv_heads=2, head_size=16,
+                                dtype=torch.bfloat16)
+    rope = RopeSpec(16, 16, 10000.0, True, 8192, torch.bfloat16)
+    T = 16 * 300
+    kv = _segment(torch.bfloat16, T, torch.Generator().manual_seed(3), L=2, H=2, D=16, device=device)
+    slots, old, new = torch.arange(T), torch.arange(T) + 7, torch.arange(T) + 2000
+    ref = layout.allocate(device, fill=POISON)
+    place(kv, ref, layout, slots.to(device), rope=rope, old_positions=old.to(device), new_positions=new.to(device),
+          backend="torch")
+    cache = layout.allocate(device, fill=POISON)
+    launch = prepare_place_many([kv], cache, layout, [slots], rope=rope, old_positions=[old], new_positions=[new],
+                                backend=backend)
+    return launch, cache, ref
+
+
+def test_gate_declines_a_placement_without_a_device_run_table():
+    """``_Launch.gate`` queues nothing (and says so) where there is no run table on a device: the
+    routes then compare the roots on the host before placing."""
+    launch, cache, ref = _gate_case("cpu", "torch")
+    before = cache.clone()
+    assert launch.gate(0, 0, 32, 0) is False
+    assert torch.equal(_bits(cache), _bits(before))
+    launch.run()
+    assert torch.equal(_bits(cache), _bits(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("differ", [None, 0, 9215], ids=["equal", "first byte differs", "last byte differs"])
+def test_gate_empties_the_run_table_unless_the_bytes_match(differ):
+    """``_Launch.gate`` (the routes' device-side verdict, csrc/gate.cu), queued before the run: equal
+    bytes leave the placement as it was; one differing byte anywhere in 9 KiB (more bytes, and a
+    table of more runs, than the gate's block has threads) makes the run kernel write nothing."""
+    launch, cache, ref = _gate_case("cuda", "cupy")
+    assert launch.tables.get("runs") is not None and launch.tables["run_args"][3] == 300
+    before = cache.clone()
+    got = torch.randint(0, 256, (9216,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).cuda()
+    want = got.clone()
+    if differ is not None:
+        want[differ] ^= 0x40
+    assert launch.gate(got.data_ptr(), want.data_ptr(), got.numel(), torch.cuda.current_stream().cuda_stream)
+    launch.run()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(cache), _bits(ref if differ is None else before))
