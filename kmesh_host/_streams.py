@@ -94,10 +94,15 @@ class _Streams:
             if own is None:  # From torch's per-device stream pool, once per thread.
                 own = cache[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index), [])
             self.copy, self.work, self._pool = own
-            self.start = torch.cuda.Event()
-            self.start.record(self.caller)
-            self.copy.wait_event(self.start)
-            self.work.wait_event(self.start)
+            # one event after the caller's earlier work, which every stream of the restore waits for:
+            # a driver event and waits where the driver takes them (torch's build objects and may
+            # release the GIL, which the reader's completion thread then waits to get back)
+            self.start = _launch.DriverEvent.recorded(self.caller.cuda_stream) if self.DRIVER_EVENTS else None
+            if self.start is None:
+                self.start = torch.cuda.Event()
+                self.start.record(self.caller)
+            self._wait(self.copy, self.start)
+            self._wait(self.work, self.start)
             # the lean stream switch where torch offers it and the restore runs on the current device
             self._lean = _GET_STREAM is not None and _SET_STREAM is not None \
                 and index == torch.cuda.current_device()
@@ -158,7 +163,7 @@ class _Streams:
             if k == len(self._pool):  # the thread's side streams, taken from torch's pool once
                 self._pool.append(torch.cuda.Stream(device=self.caller.device_index))
             side = self._pool[k]
-            side.wait_event(self.start)
+            self._wait(side, self.start)
             self._sides.append(side)
         else:
             side = self._sides[self._next_side % self.SIDE_STREAMS]

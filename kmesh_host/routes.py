@@ -1,17 +1,18 @@
 """Storage routes into GPU memory: ``host_staging`` and ``direct``, each ending verified and placed.
 
 ``host_staging``: segment file --O_DIRECT reads (io_uring, or a thread pool)--> pinned host buffer (the host
-tier's, pooled: released buffers are reused, never pinned again) --async H2D on a copy stream,
-chunk by chunk as the reads land--> device buffer. Every chunk of every missing object is queued
-on the reader at once, in object order (``HostTier.start_loads``: no thread per object), so the
-reader keeps its queue depth from the first chunk to the last. When an object's last chunk is
-copied, the thread that copied it launches the object's tree digest on a side stream that waits
-for the copy's event (a device-side wait, not a host one), while the reads of later objects
-continue; objects that land
-together hash concurrently on separate side streams. All of that runs on the reader's completion
-thread between chunk landings, so it is kept short (a late landing is a late restore): a chunk's
-copy is one driver call, and a digest the route has made before on that stream (every child after
-the first of a shape) one launch plus one driver download of its root. With the tier's retention a resident
+tier's, pooled: released buffers are reused, never pinned again) --async H2D on a copy stream, one
+copy per object as its last chunk lands--> device buffer. Every chunk of every missing object is
+queued on the reader at once, in object order (``HostTier.start_loads``: no thread per object), so
+the reader keeps its queue depth from the first chunk to the last. The thread that lands an
+object's last chunk queues its copy at once; objects that land together (the reader reports the
+completions one wake-up reaped as a group, ``on_batch``; the lent virtio disk completes a child's
+reads all at once) are then fenced by one event and hashed by one tree-digest launch on a side
+stream that waits for that event (a device-side wait, not a host one), while the reads of later
+objects continue. All of that runs on the reader's completion thread between landings, so it is
+kept short (a late landing is a late restore): a copy is one driver call, and a digest launch the
+route has made before on that stream (every child after the first of a shape) one launch plus one
+driver download of its roots. With the tier's retention a resident
 segment skips the read and is copied from RAM in one H2D per object, issued before anything else
 so the DMA overlaps the placement preparation; it was verified when it
 entered the tier (the tier's host check, or an earlier restore's device check of a copy of that
@@ -29,18 +30,22 @@ moves no bytes and changes no label. (Its code: :mod:`kmesh_host.direct_route`.)
 
 Both routes verify every object that is not already verified where it landed: the
 kmesh-tree-sha256/v1 root of its padded payload is computed on the device
-(``kmesh_gpu.tree_digests``, one launch per object as soon as its bytes are in place), each root
-downloaded into a page-locked table right behind its digest, and all roots are compared with the
-stored ones on the host once every download's event has completed; only then is the KV placed into
-the paged cache with one launch (K shifted to new positions when a RoPE spec is given). A mismatch
-raises IntegrityError naming every bad segment, nothing is placed, and the bad segment leaves the
-host tier.
+(``kmesh_gpu.tree_digests``, one launch per group of objects as soon as their bytes are in place),
+the roots downloaded into a page-locked table right behind their digest, and all roots are compared
+with the stored ones on the host once every download's event has completed. The KV is placed into
+the paged cache with one launch (K shifted to new positions when a RoPE spec is given) only behind
+a verdict: on ``host_staging`` with device verification the placement is queued on the work stream
+behind a device comparison of the roots with the stored ones that empties its run table on any
+mismatch (``_Verifier.gate``, ``csrc/gate.cu``), so it follows the last digest on the device with no
+host round trip in between; elsewhere (other verification modes, a placement without a run table)
+it is launched after the host's comparison. A mismatch raises IntegrityError naming every bad
+segment, nothing is placed, and the bad segment leaves the host tier.
 
 Placement is prepared (``prepare_place_many``: slot and position validation, launch tables) while
 the bytes are still moving: it needs the objects' device addresses, not their bytes.
 
-Streams: copies run on a copy stream; digests, the root comparison and placement on a work
-stream. Both start after the caller's current stream's earlier work, and before the call returns
+Streams: copies run on a copy stream; digests on a few side streams; the gate and placement on
+a work stream. Both start after the caller's current stream's earlier work, and before the call returns
 (also on failure) the caller's current stream waits for both, so later work on it sees the placed
 cache and buffers it frees are no longer in use. A child whose objects are all resident and
 trusted has nothing to overlap: its copies and placement run in order on the caller's stream.
@@ -49,7 +54,6 @@ trusted has nothing to overlap: its copies and placement run in order on the cal
 from __future__ import annotations
 
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -278,11 +282,12 @@ def _addresses(buffer: torch.Tensor, headers: list[SegmentHeader], offsets: list
 
 
 class _Verifier:
-    """Tree-root checks of objects where they landed: launched per object, compared once.
+    """Tree-root checks of objects where they landed: launched as objects land, compared once.
 
-    ``landed(...)`` is called once per object as its bytes arrive (in any order); objects whose
-    tier entry is already verified are trusted when ``trust_verified``. :meth:`finish` compares
-    every root with one synchronisation and returns the keys that failed.
+    ``landed(...)`` / ``landed_many(...)`` are called as objects' bytes arrive (in any order; the
+    objects of one call together); objects whose tier entry is already verified are trusted when
+    ``trust_verified``. :meth:`finish` compares every root with one synchronisation and returns the
+    keys that failed; :meth:`gate` lets the placement go ahead of that comparison on the device.
     """
 
     _HOW = {"device": "device kmesh-tree-sha256 root", "device-batched": "device kmesh-tree-sha256 root",
@@ -299,16 +304,23 @@ class _Verifier:
         self._checked: list[tuple[int, SegmentHeader, object]] = []  # (offset, header, lease or None)
         self._roots: list[torch.Tensor] = []
         self._host_bad: list[str] = []
-        # ``device`` mode on CUDA: each root is downloaded right after its digest, on the digest's
-        # stream, into this pinned table (one row per object, ``objects`` rows made before the
-        # reads), so that once the last digest is done the comparison is one wait and a host
-        # compare of 32-byte rows (no upload of the expected roots, no comparison kernels)
-        self._host_roots = None
-        self._root_events: list = []  # per object (pinned table only): an event after its root's download
-        self._dev_roots = None  # their device rows (made at the first digest), for the short path
-        self.fast_digests = 0  # digests that took the short path (tests, tools)
+        # ``device`` mode on CUDA: the objects landed together get one digest launch, whose roots
+        # go into rows of a device table and are downloaded right after it, on its stream, into a
+        # pinned table, so that once the last digest is done the comparison is one wait and a host
+        # compare of 32-byte rows. Both tables have 2 x ``objects`` rows (made before the reads):
+        # rows [0, objects) the computed roots, in the order of ``_checked``; rows [objects, 2 x
+        # objects) the stored ones, which the gate uploads and compares on the device.
+        self._objects = objects
+        self._rows = 0  # table rows filled (checked objects, in the order of ``_checked``)
+        self._host_roots = self._dev_roots = None
+        self._root_events: list = []  # per digest launch (tables only): an event after its roots' download
+        self.fast_digests = 0  # digest launches that took the short path (tests, tools)
+        self.launches = 0  # digest launches into the tables (tests, tools)
+        self.gated = False  # the placement was queued behind a device comparison of the roots (gate())
+        self._gate_done = None  # an event after the gate
         if mode == "device" and objects > 0 and buffer.is_cuda:
-            self._host_roots = torch.empty((objects, 32), dtype=torch.uint8, pin_memory=True)
+            self._host_roots = torch.empty((2 * objects, 32), dtype=torch.uint8, pin_memory=True)
+            self._dev_roots = torch.empty((2 * objects, 32), dtype=torch.uint8, device=buffer.device)
 
     def _mark(self) -> None:
         if self.started is None:
@@ -319,76 +331,131 @@ class _Verifier:
 
     def landed(self, offset: int, header: SegmentHeader, *, lease=None, event=None) -> None:
         """Object bytes are in ``buffer[offset:]`` once ``event`` (its copy; ``None``: already) completes."""
-        if lease is not None and self.trust and lease.verified:
-            self._count(f"trusted: {lease.verified}")
-            return
-        if self.mode == "none":
-            self._count("not verified")
-            return
-        self._count(f"{self._HOW[self.mode]} (this call)")
-        self._checked.append((offset, header, lease))
-        if self.mode == "device":
-            self._mark()
-            k = len(self._roots)
-            if self._host_roots is not None and k < len(self._host_roots):
-                self._roots.append(self._digest_to_table(k, offset, header, event))
-                return
-            with self.streams.on_digest(event):
-                root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
-                                              leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
-                                              backend=self.backend)
-                self._roots.append(root)
-        elif self.mode == "host" and lease is not None:
-            self._mark()
-            if not _host_root_ok(header, lease.payload.numpy()):
-                self._host_bad.append(header.key)
+        self.landed_many([(offset, header, lease)], event)
 
-    def _digest_to_table(self, k: int, offset: int, header: SegmentHeader, event) -> torch.Tensor:
-        """Object ``k``'s digest on the next side stream after ``event``, its root downloaded into
-        row ``k`` of the pinned table there and an event recorded after it (the comparison waits
-        for that event alone, not for a join of every stream). Runs on the reader's completion
+    def landed_many(self, items, event=None) -> None:
+        """Objects ``(offset, header, lease or None)`` whose bytes are all in ``buffer`` once ``event``
+        completes (``None``: already). In ``device`` mode with the tables, those to check are hashed
+        by one launch (one per set of tree parameters among them)."""
+        group = []
+        for offset, header, lease in items:
+            if lease is not None and self.trust and lease.verified:
+                self._count(f"trusted: {lease.verified}")
+                continue
+            if self.mode == "none":
+                self._count("not verified")
+                continue
+            self._count(f"{self._HOW[self.mode]} (this call)")
+            if self.mode == "device":
+                self._mark()
+                if self._host_roots is not None:
+                    if self._rows + len(group) >= self._objects:
+                        raise RuntimeError(f"_Verifier: more objects landed than the {self._objects} it was made for")
+                    group.append((offset, header, lease))
+                    continue
+                self._checked.append((offset, header, lease))
+                with self.streams.on_digest(event):
+                    root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
+                                                  leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
+                                                  backend=self.backend)
+                    self._roots.append(root)
+                continue
+            self._checked.append((offset, header, lease))
+            if self.mode == "host" and lease is not None:
+                self._mark()
+                if not _host_root_ok(header, lease.payload.numpy()):
+                    self._host_bad.append(header.key)
+        if group:
+            by_params: dict = {}
+            for item in group:
+                by_params.setdefault((item[1].tree_leaf_size, item[1].tree_fanout), []).append(item)
+            for (leaf, fanout), items_ in by_params.items():
+                self._digest_to_table(items_, leaf, fanout, event)
+
+    def _digest_to_table(self, items: list, leaf: int, fanout: int, event) -> None:
+        """One digest launch for ``items`` (same tree parameters) on the next side stream after
+        ``event``, their roots into the next rows of the device table, downloaded into the same
+        rows of the pinned table there, and an event recorded after that (the comparison waits for
+        those events alone, not for a join of every stream). Often runs on the reader's completion
         thread, between chunk landings, so it is kept short: a digest this restore's shape has had
-        on that stream before is one launch into a row of a device table and one driver copy
-        (``sha256._tree_launch``); anything else goes through :func:`kmesh_gpu.tree_digests` and
-        torch, which also makes the next one short."""
+        on that stream before is one launch and one driver copy (``sha256._tree_launch``); anything
+        else goes through :func:`kmesh_gpu.tree_digests` and torch, which also makes the next one
+        short."""
+        k, m = self._rows, len(items)
+        stored = self._host_roots.numpy()
+        for j, (_, header, _) in enumerate(items):  # the stored roots, for the gate's upload
+            stored[self._objects + k + j] = np.frombuffer(header.tree_root, dtype=np.uint8)
         side = self.streams.digest_side(event)
-        root = None
-        if FAST_DIGESTS and self.backend in ("auto", "cupy"):
-            if self._dev_roots is None:
-                self._dev_roots = torch.empty((len(self._host_roots), 32), dtype=torch.uint8, device=self.buffer.device)
-            out = self._dev_roots[k:k + 1]
-            if _sha256._tree_launch(self.buffer, offset, header.padded_length, header.tree_leaf_size,
-                                    header.tree_fanout, side.cuda_stream, out):
-                root = out
-                self.fast_digests += 1
-                if not _driver.copy_dtoh(self._host_roots.data_ptr() + 32 * k, out.data_ptr(), 32, side.cuda_stream):
-                    with self.streams.on_side(side):
-                        self._host_roots[k].copy_(out[0], non_blocking=True)
-        if root is None:
+        offsets = tuple(o for o, _, _ in items)
+        lengths = tuple(h.padded_length for _, h, _ in items)
+        out = self._dev_roots[k:k + m]
+        done = False
+        if FAST_DIGESTS and self.backend in ("auto", "cupy") and _sha256._tree_launch(
+                self.buffer, offsets, lengths, leaf, fanout, side.cuda_stream, out):
+            self.fast_digests += 1
+            done = _driver.copy_dtoh(self._host_roots.data_ptr() + 32 * k, out.data_ptr(), 32 * m, side.cuda_stream)
+            if not done:
+                with self.streams.on_side(side):
+                    self._host_roots[k:k + m].copy_(out, non_blocking=True)
+                done = True
+        if not done:
             with self.streams.on_side(side):
-                root = kmesh_gpu.tree_digests(self.buffer, [offset], [header.padded_length],
-                                              leaf_size=header.tree_leaf_size, fanout=header.tree_fanout,
-                                              backend=self.backend)
-                self._host_roots[k].copy_(root[0], non_blocking=True)
-        done = _driver.DriverEvent.recorded(side.cuda_stream)
-        if done is None:
-            done = torch.cuda.Event()
-            done.record(side)
-        self._root_events.append(done)
-        return root
+                roots = kmesh_gpu.tree_digests(self.buffer, list(offsets), list(lengths), leaf_size=leaf,
+                                               fanout=fanout, backend=self.backend)
+                out.copy_(roots, non_blocking=True)  # the gate compares the device rows
+                self._host_roots[k:k + m].copy_(roots, non_blocking=True)
+        self.launches += 1
+        event = _driver.DriverEvent.recorded(side.cuda_stream)
+        if event is None:
+            event = torch.cuda.Event()
+            event.record(side)
+        self._root_events.append(event)
+        self._checked.extend(items)
+        self._rows += m
+
+    def _in_tables(self) -> bool:
+        """Every checked object's root is (on its way) in the tables."""
+        return self._host_roots is not None and self._rows == len(self._checked) and not self._roots
+
+    def gate(self, launch) -> bool:
+        """Queue on the work stream, behind every checked object's root (each digest launch's
+        event), the device comparison of those roots with the stored ones, made so that ``launch``
+        (the placement's ``_Launch``, run next on the work stream) writes nothing unless all of
+        them match (``_Launch.gate``): the placement can then be launched before :meth:`finish`
+        compares on the host, with no host round trip between the last digest and the placement.
+        ``True`` when queued; ``False`` (nothing of the gate queued) in other verification modes,
+        for a placement without a run table on the device, or on a refusal: compare first, then
+        place."""
+        n = self._rows
+        if not GATED_PLACEMENT or self.mode != "device" or not n or not self._in_tables() \
+                or self.streams.work is None:
+            return False
+        work = self.streams.work.cuda_stream
+        want = self._dev_roots.data_ptr() + 32 * self._objects
+        if not _driver.copy_htod(want, self._host_roots.data_ptr() + 32 * self._objects, 32 * n, work):
+            return False
+        # (a failed gate below leaves that upload queued: harmless, and settle() waits for it)
+        self._gate_done = _driver.DriverEvent.recorded(work)
+        for event in self._root_events:
+            self.streams.work_after(event)
+        self.gated = launch.gate(self._dev_roots.data_ptr(), want, 32 * n, work)
+        if self.gated:
+            self._gate_done = _driver.DriverEvent.recorded(work) or self._gate_done
+        return self.gated
 
     def settle(self) -> None:
-        """Wait for every digest and root download still pending where the short path queued them:
-        its downloads are driver copies into the pinned table, which torch's pinned allocator does
-        not track, and its device rows were made on the completion thread's stream. Called before
-        the table and rows can go, also when a restore fails before :meth:`finish` (after it, the
-        events have completed and this only queries them)."""
-        if self.fast_digests:
-            for event in self._root_events:
-                try:
-                    event.synchronize()
-                except RuntimeError:  # a device error: the restore's own error (or finish's) reports it
-                    pass
+        """Wait for every digest, root download and gate still pending where this class queued them
+        below torch: driver copies into and out of the pinned table (which torch's pinned allocator
+        does not track), reading device rows made on another thread's stream. Called before the
+        tables can go, also when a restore fails before :meth:`finish` (after it, the events have
+        completed and this only queries them)."""
+        for event in (*self._root_events, self._gate_done):
+            if event is None:
+                continue
+            try:
+                event.synchronize()
+            except RuntimeError:  # a device error: the restore's own error (or finish's) reports it
+                pass
 
     def finish(self) -> tuple[float, list[str]]:
         """``(seconds since the first check started, keys whose root does not match)``."""
@@ -406,7 +473,7 @@ class _Verifier:
                         bad.append(h.key)
             return time.perf_counter() - self.started, bad
         n = len(headers)
-        if self._host_roots is not None and len(self._roots) == n == len(self._root_events) <= len(self._host_roots):
+        if self.mode == "device" and self._in_tables():
             # every root is on its way to the pinned table: wait for each download's event (no
             # stream waits for the digests here: the placement reads the buffer, not the roots, and
             # the caller's stream joins the digest streams before the buffer can go, in join())
@@ -452,7 +519,7 @@ class _Verifier:
 
     @property
     def description(self) -> str:
-        return {"device": "device tree-root (per object as it lands, compared once)",
+        return {"device": "device tree-root (objects as they land, compared once)",
                 "device-batched": "device tree-root (one batched launch)", "host": "host tree-root",
                 "none": "none"}[self.mode]
 
@@ -519,6 +586,19 @@ FAST_DIGESTS = True
 #: ``True``: a chunk read from storage is copied to the GPU by one driver call from the reader's
 #: completion thread; ``False``: through torch (comparisons, ``tools/probe_read_factors.py``)
 CHUNK_DRIVER_COPIES = True
+#: ``True``: a read object is copied to the GPU in one driver call from the reader's completion thread
+#: once its last chunk has landed; ``False``: chunk by chunk as they land (``CHUNK_DRIVER_COPIES``).
+#: The lent machine's disk completes a child's reads together (``tools/probe_read_timeline.py``: one
+#: wake-up of the completion thread reaps all twelve), so per-chunk copies overlapped nothing and
+#: only lengthened the serial work after the landing
+OBJECT_COPIES = True
+#: ``True``: with device verification the placement is queued behind a device comparison of the
+#: roots (``_Verifier.gate``: a run table emptied on a mismatch) before the host compares them;
+#: ``False``: launched after the host's comparison (comparisons, ``tools/ab_lane.py``)
+GATED_PLACEMENT = True
+#: ``True``: objects that land together (the engine reports a group of completions at once) are
+#: copied, fenced and hashed together: one event, one digest launch; ``False``: each as it lands
+BATCH_LANDINGS = True
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -563,8 +643,12 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     n = len(targets)
     leases: list = [None] * n
     engine = tier.io_engine
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    pending = 0  # loads started whose "done" event has not been taken yet
+    # Each load's outcome (i, lease, error), in the order they settle; `all_settled` is set by the
+    # last one (one wake-up of this thread, not one per object: each would take the GIL from the
+    # completion thread while it lands the next object)
+    settled: list = []
+    all_settled = threading.Event()
+    pending = 0  # loads started whose outcomes have not been taken yet
     stopped = []  # set when this call gives up: reading threads copy no further chunks
     streams = verifier = None
     land_lock = threading.Lock()  # verifier, streams and report bookkeeping: one landing at a time
@@ -686,10 +770,18 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         missing = [i for i in range(n) if leases[i] is None]
         read_start = time.perf_counter()
 
+        # A read object's bytes go to the GPU in one driver copy from the completion thread once its
+        # last chunk has landed (``OBJECT_COPIES``), or chunk by chunk as they land (``on_chunk``).
+        copy_handle = streams.copy_handle() if tier.pool.pin and (OBJECT_COPIES or CHUNK_DRIVER_COPIES) else None
+        per_chunk = not OBJECT_COPIES
+
+        arrived: list = []  # (i, lease) of objects landed whose copies and digests are not queued yet
+
         def land(i: int, lease, when: float) -> None:
-            """Object ``i``'s load finished (lock held): fence, then its digest after its copies."""
+            """Object ``i``'s load finished (lock held): its checks and bookkeeping; :func:`flush`
+            queues its copy (unless made chunk by chunk) and digest."""
             nonlocal read_end
-            header, off = headers[i], offsets[i]
+            header = headers[i]
             if lease.header.sha256 != header.sha256:
                 raise IntegrityError(f"segment {targets[i].key}: changed on storage during the restore")
             sources[lease.source] = sources.get(lease.source, 0) + 1
@@ -700,30 +792,55 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 o_direct_flags.add(lease.o_direct)
                 if lease.io_note:
                     io_notes.add(lease.io_note)
-                event = streams.copied()  # after every chunk copy issued so far, this object's included
+            if not (lease.source == "read" and per_chunk):  # the DMA starts at once
+                _copy_into(buffer, offsets[i], lease, streams, copy_handle)
+            arrived.append((i, lease))
+            if not BATCH_LANDINGS:
+                flush()
+
+        def flush() -> None:
+            """(lock held) The objects landed (and copied) since the last flush: one event after
+            their copies fencing their buffers and awaited by the work stream, and their digests,
+            one launch for all of them (``landed_many``). Runs on the reading thread after each
+            group of landings the engine reports together (``on_batch``), and on this thread once
+            every load has settled."""
+            if not arrived:
+                return
+            group = arrived[:]
+            arrived.clear()
+            event = streams.copied()  # after every copy issued so far (chunk copies too)
+            for _, lease in group:  # fenced also when the restore gives up
                 lease.fence(event)
-            else:  # read by a concurrent call (joined) or resident by now: one copy of the whole
-                event = _copy_whole(buffer, off, lease, streams)
-            report.bytes_moved += header.padded_length
+            if stopped or failures:
+                return
+            for i, _ in group:
+                report.bytes_moved += headers[i].padded_length
             streams.work_after(event)
-            verifier.landed(off, header, lease=lease, event=event)
-            _stamp("object landed, digest queued")
+            verifier.landed_many([(offsets[i], headers[i], lease) for i, lease in group], event)
+            _stamp("objects landed, digests queued")
+
+        def on_batch() -> None:
+            with land_lock:
+                try:
+                    flush()
+                except BaseException as exc:
+                    failures.append(exc)
 
         if missing:
             pending = len(missing)
 
-            # Each chunk's copy is queued from the engine's completion thread as the chunk lands:
-            # one driver call where the tier's buffers are page-locked (a copy through torch, under
-            # a stream context, made that thread slow enough to hold back the reads themselves:
-            # ~10% of a child's read time, tools/probe_read_factors.py), torch's copy otherwise.
-            copy_handle = streams.copy_handle() if CHUNK_DRIVER_COPIES and tier.pool.pin else None
+            # With ``per_chunk`` each chunk's copy is queued from the engine's completion thread as
+            # the chunk lands: one driver call where the tier's buffers are page-locked (a copy
+            # through torch, under a stream context, made that thread slow enough to hold back the
+            # reads themselves: tools/probe_read_factors.py), torch's copy otherwise.
+            chunk_handle = copy_handle if CHUNK_DRIVER_COPIES else None
 
             def on_chunk(j, chunk, lo, hi):
                 if stopped:
                     return
                 off = offsets[missing[j]]
-                if copy_handle is not None and _driver.copy_htod(base + off + lo, chunk.data_ptr(), chunk.numel(),
-                                                                 copy_handle):
+                if chunk_handle is not None and _driver.copy_htod(base + off + lo, chunk.data_ptr(), chunk.numel(),
+                                                                  chunk_handle):
                     return
                 with streams.on_copy():  # a raise here fails that object's load (on_done gets it)
                     buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
@@ -740,10 +857,14 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                             land(i, lease, when)
                         except BaseException as exc:
                             failures.append(exc)
-                events.put((i, lease, error))
+                    settled.append((i, lease, error))
+                    last = len(settled) == len(missing)
+                if last:
+                    all_settled.set()
 
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
-                             headers=[headers[i] for i in missing], on_chunk=on_chunk, on_done=on_done)
+                             headers=[headers[i] for i in missing], on_chunk=on_chunk if per_chunk else None,
+                             on_done=on_done, on_batch=on_batch if BATCH_LANDINGS else None)
         # 3. While the bytes move: the placement (validation and launch tables).
         placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
         if resident:
@@ -753,16 +874,26 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 for i in resident:
                     sources["hit"] = sources.get("hit", 0) + 1
                     report.bytes_moved += headers[i].padded_length
-                    verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
-        while pending:  # every load's lease, so that each is released whatever happened
-            i, lease, error = events.get()
-            pending -= 1
-            if error is None:
-                leases[i] = lease
+                verifier.landed_many([(offsets[i], headers[i], leases[i]) for i in resident], resident_event)
+        if pending:  # every load's lease, so that each is released whatever happened
+            all_settled.wait()
+            pending = _take_leases(settled, leases)
+            with land_lock:  # landings no reading thread has queued yet (none when it kept up)
+                try:
+                    flush()
+                except BaseException as exc:
+                    failures.append(exc)
         failure = failures[0] if failures else None
         if failure is not None:
             raise failure
         _stamp("loads settled")
+        # The placement behind a device comparison of the roots where it can be (it writes nothing
+        # unless all match), so that it follows the last digest on the device, not the host's
+        # comparison; otherwise it is launched once the host has compared.
+        gated = placement is not None and verifier.gate(placement.launch)
+        if gated:
+            placement.run()
+            _stamp("placement launched behind the gate")
         verify_s, bad = verifier.finish()
         _stamp("roots compared")
         if bad:
@@ -772,8 +903,9 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         verifier.mark_verified("host_staging")
         _stamp("verified")
         if placement is not None:
-            placement.run()
-            _stamp("placement launched")
+            if not gated:
+                placement.run()
+                _stamp("placement launched")
             report.placed = True
         result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
         streams.join()
@@ -788,11 +920,9 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             verifier.settle()
         # Loads still in flight after an early error: take their leases so every one is released.
         drained = bool(pending)
-        while pending:
-            i, lease, error = events.get()
-            pending -= 1
-            if error is None:
-                leases[i] = lease
+        if pending:
+            all_settled.wait()
+            pending = _take_leases(settled, leases)
         if drained and streams is not None and streams.copy is not None:
             # chunk copies issued by reading threads before they saw `stopped`: the caller's stream
             # (which frees `buffer`) waits for them too
@@ -804,6 +934,14 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             tier.close()
     return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
                           read_start, read_end, verify_s, prepare_s, t0)
+
+
+def _take_leases(settled: list, leases: list) -> int:
+    """Every settled load's lease into ``leases`` (its release is the caller's); returns 0 (none pending)."""
+    for i, lease, error in settled:
+        if error is None:
+            leases[i] = lease
+    return 0
 
 
 def _timed_placement(buffer, offsets, targets, headers, *, cache, **kwargs) -> tuple:
@@ -853,8 +991,9 @@ def _finish_report(result: RestoreResult, tier: HostTier, sources: dict, o_direc
                             f"-> {staging} -> {dst}, one copy per object")
     elif sources.get("read"):
         how = "O_DIRECT reads" if report.o_direct else "page-cache reads (O_DIRECT unavailable)"
+        copies = "one copy per object as its last chunk lands" if OBJECT_COPIES else "chunk by chunk as reads land"
         report.mechanism = (f"{how} through {engine.description}, {cfg.chunk_bytes >> 10} KiB chunks "
-                            f"-> {staging} -> {dst}, chunked as reads land")
+                            f"-> {staging} -> {dst}, {copies}")
     else:
         report.mechanism = f"host tier ({staging}, retained) -> {dst}, one copy per object"
     report.timings = {"read_s": (read_end - read_start) if read_end is not None else 0.0, "verify_s": verify_s,
@@ -863,14 +1002,15 @@ def _finish_report(result: RestoreResult, tier: HostTier, sources: dict, o_direc
     return result
 
 
-def _copy_whole(buffer: torch.Tensor, offset: int, lease, streams: _Streams):
-    """One async copy of a leased payload into ``buffer[offset:]``; returns its event (fenced on the lease)."""
-    payload = lease.payload
-    with streams.on_copy():
-        buffer[offset: offset + payload.numel()].copy_(payload, non_blocking=True)
-    event = streams.copied()
-    lease.fence(event)
-    return event
+def _copy_into(buffer: torch.Tensor, offset: int, lease, streams: _Streams, handle: int | None = None) -> None:
+    """One async copy of a leased payload into ``buffer[offset:]`` on the copy stream (the caller
+    records the event that fences it). ``handle``: the copy stream's raw handle, for one driver call
+    where the payload is page-locked (torch's copy otherwise, or where the driver refuses)."""
+    addr, pinned = lease.payload_memory() if handle is not None else (0, False)
+    if not (pinned and _driver.copy_htod(buffer.data_ptr() + offset, addr, lease.header.padded_length, handle)):
+        payload = lease.payload
+        with streams.on_copy():
+            buffer[offset: offset + payload.numel()].copy_(payload, non_blocking=True)
 
 
 def restore(route: str, store: SegmentStore, targets, **kwargs) -> RestoreResult:

@@ -147,24 +147,26 @@ def test_host_staging_places_like_the_in_memory_path(store, segments, device, sh
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("driver", [True, False], ids=["driver copies", "torch copies"])
+@pytest.mark.parametrize("copies", ["object", "chunk driver", "chunk torch"])
 @pytest.mark.parametrize("verify", ["device", "none"])
-def test_read_chunks_go_to_the_gpu_exactly_from_the_completion_thread(store, segments, monkeypatch, driver, verify):
-    """A forced read's chunks are copied to the GPU from the reader's completion thread as they land:
-    one driver copy per chunk of page-locked tier memory (``routes.CHUNK_DRIVER_COPIES``), or
-    through torch; a chunk the driver refuses goes through torch. The objects and the placed cache
+def test_read_objects_go_to_the_gpu_exactly_from_the_completion_thread(store, segments, monkeypatch, copies, verify):
+    """A forced read's bytes are copied to the GPU from the reader's completion thread: each object in
+    one driver copy once its last chunk has landed (``routes.OBJECT_COPIES``), or chunk by chunk as
+    they land, one driver copy per chunk of page-locked tier memory (``routes.CHUNK_DRIVER_COPIES``)
+    or through torch; a copy the driver refuses goes through torch. The objects and the placed cache
     are exact either way."""
     from kmesh_gpu import _launch
     from kmesh_host import routes
 
-    monkeypatch.setattr(routes, "CHUNK_DRIVER_COPIES", driver)
+    monkeypatch.setattr(routes, "OBJECT_COPIES", copies == "object")
+    monkeypatch.setattr(routes, "CHUNK_DRIVER_COPIES", copies == "chunk driver")
     layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
     expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
     calls, real = [], _launch.copy_htod
 
     def counted(*a):
-        calls.append(a[2])
-        return False if len(calls) == 2 else real(*a)  # the second chunk is refused: torch copies it
+        calls.append((a[0], a[2]))
+        return False if len(calls) == 2 else real(*a)  # the second copy is refused: torch makes it
 
     monkeypatch.setattr(_launch, "copy_htod", counted)
     tier = make_tier(store, "cuda", chunk_bytes=8192)  # several chunks per object
@@ -178,8 +180,13 @@ def test_read_chunks_go_to_the_gpu_exactly_from_the_completion_thread(store, seg
         assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
         for (_, kv, _), got in zip(segments, result.kv):
             assert torch.equal(got.cpu(), kv)
-        if driver:  # every chunk of every object, once (the refused one included: torch copied it)
-            assert len(calls) > len(segments) and sum(calls) == sum(h.padded_length for h in result.headers)
+        total = sum(h.padded_length for h in result.headers)
+        lo, hi = result.buffer.data_ptr(), result.buffer.data_ptr() + result.buffer.numel()
+        calls[:] = [n for dst, n in calls if lo <= dst < hi]  # (not the gate's upload of the stored roots)
+        if copies == "object":  # one per object (the refused one included: torch copied it)
+            assert sorted(calls) == sorted(h.padded_length for h in result.headers)
+        elif copies == "chunk driver":  # every chunk of every object, once
+            assert len(calls) > len(segments) and sum(calls) == total
         else:
             assert calls == []
     tier.close()
@@ -473,6 +480,38 @@ def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
     tier.close()
 
 
+@pytest.mark.parametrize("batch,hook", [(False, True), (True, True), (True, False)],
+                         ids=["each as it lands", "per group the engine reports", "all once loads settled"])
+def test_landings_are_copied_fenced_and_hashed_per_group(store, segments, recorded, monkeypatch, batch, hook):
+    """Objects that land together are copied, fenced and hashed together (``routes.BATCH_LANDINGS``):
+    one copy event per group of landings the engine reports (``on_batch``), and what no group took
+    is taken by the restoring thread once every load has settled; each object as it lands
+    otherwise. Every object is copied once, every copy is fenced and waited for before its digest
+    and the placement, and the cache is exact."""
+    monkeypatch.setattr(routes_mod, "BATCH_LANDINGS", batch)
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    tier = make_tier(store, "cpu", io_engine="threads")
+    if not hook:  # the engine reports no groups: the restoring thread takes every landing at the end
+        real = tier.start_loads
+        monkeypatch.setattr(tier, "start_loads", lambda keys, **kw: real(keys, **{**kw, "on_batch": None}))
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.placed and result.report.tier_sources == {"read": 3}
+    events = [e for e in recorded if e[0] == "event"]
+    assert sum(e == ("copy",) for e in recorded) == 3  # one whole-object copy each
+    if not batch:
+        assert len(events) == 3
+    elif not hook:
+        assert len(events) == 1
+    else:
+        assert 1 <= len(events) <= 3
+    check_issue_order(recorded, 3, digests=True)
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    assert tier.pool.in_use_bytes == tier.resident_bytes
+    tier.close()
+
+
 def test_resident_issue_order_copies_once_per_object(store, segments, recorded):
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu", retain=True)
@@ -539,47 +578,126 @@ def test_overlapped_verification_names_every_corrupt_object(store, segments, dev
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast", [True, False], ids=["short digests", "tree_digests"])
-def test_repeated_forced_reads_check_every_object_on_the_short_digest_path(store, segments, monkeypatch, fast):
-    """From the second forced read of a shape on, each object's digest is one launch into a device
-    row and one driver copy of its root (``routes.FAST_DIGESTS``): the objects and cache stay exact,
-    and an object corrupted on storage after the warm-up is still named, with nothing placed."""
+@pytest.mark.parametrize("batch", [False, True], ids=["each as it lands", "grouped"])
+def test_repeated_forced_reads_check_every_object_on_the_short_digest_path(store, segments, monkeypatch, fast,
+                                                                           batch):
+    """From the second forced read of a shape on, a digest launch the route made before (the same
+    objects together, on the same stream) is one launch into device rows and one driver copy of
+    their roots (``routes.FAST_DIGESTS``); objects landing together share a launch
+    (``routes.BATCH_LANDINGS``). Every object is hashed exactly once per restore, the objects and
+    cache stay exact, and an object corrupted on storage after the warm-up is still named, with
+    nothing placed."""
     from kmesh_host import routes
 
     monkeypatch.setattr(routes, "FAST_DIGESTS", fast)
+    monkeypatch.setattr(routes, "BATCH_LANDINGS", batch)
     monkeypatch.setattr(routes._sha256, "_VALIDATED", {})  # no digest of this shape checked before
-    short, real = [], routes._sha256._tree_launch
+    calls, real = [], routes._sha256._tree_launch  # (offsets, took the short path)
 
-    def counted(*a):
-        short.append(real(*a))
-        return short[-1]
+    def counted(data, offsets, *a):
+        calls.append((offsets, real(data, offsets, *a)))
+        return calls[-1][1]
 
     monkeypatch.setattr(routes._sha256, "_tree_launch", counted)
     layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
     expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
     tier = make_tier(store, "cuda", retain=False)
     for child in range(3):
-        short.clear()
+        calls.clear()
         cache = layout.allocate("cuda", fill=0x7F)
         result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
                                       layout=layout, rope=ROPE, verify="device")
         assert result.report.tier_sources == {"read": len(segments)}
         assert result.report.verified == {"device kmesh-tree-sha256 root (this call)": len(segments)}
         assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
-        if fast:  # the first restore of this shape prepares each object's digest on its stream
-            assert short == ([False] * len(segments) if child == 0 else [True] * len(segments))
+        if fast:  # each object in exactly one launch
+            assert sorted(o for offsets, _ in calls for o in offsets) == sorted(result.offsets)
+            if not batch:  # the first restore of this shape prepares each object's digest on its stream
+                assert [short for _, short in calls] == ([False] * len(segments) if child == 0 else
+                                                         [True] * len(segments))
         else:
-            assert short == []
+            assert calls == []
     key = segments[1][0]
     flip_payload_bit(store, key, 100, 0x20)
     cache = layout.allocate("cuda", fill=0x7F)
     before = cache.clone()
-    short.clear()
+    calls.clear()
     with pytest.raises(IntegrityError, match=key) as err:
         restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
                              layout=layout, rope=ROPE, verify="device")
     assert segments[0][0] not in str(err.value) and segments[2][0] not in str(err.value)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
-    assert short == ([True] * len(segments) if fast else [])
+    if fast:
+        assert len(sorted(o for offsets, _ in calls for o in offsets)) == len(segments)
+        if not batch:
+            assert [short for _, short in calls] == [True] * len(segments)
+    else:
+        assert calls == []
+    tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gated", "gate refused", "off"])
+def test_placement_behind_the_device_root_check_writes_nothing_for_a_corrupt_object(store, segments, monkeypatch,
+                                                                                     case):
+    """With device verification a forced read's placement is launched behind a device comparison of
+    the roots, before the host compares them (``routes.GATED_PLACEMENT``, ``_Launch.gate``): a good
+    child is placed exactly; with an object corrupted on storage the gate empties the run table on
+    the device, so the cache keeps every byte and the error names that object. A gate the driver
+    refuses (or switched off) leaves the placement after the host's comparison, with the same results."""
+    from kmesh_gpu.place import _Launch
+    from kmesh_host import routes
+
+    monkeypatch.setattr(routes, "GATED_PLACEMENT", case != "off")
+    gates, real = [], _Launch.gate
+
+    def gate(self, *a):
+        gates.append(False if case == "gate refused" else real(self, *a))
+        return gates[-1]
+
+    monkeypatch.setattr(_Launch, "gate", gate)
+    # blocks of 32 slots filled in order: runs the run kernel takes (the gate's table)
+    layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=16, block_size=32, num_kv_heads=H, head_size=D,
+                                dtype=DTYPE)
+    targets, start = [], 0
+    for key, kv, pos in segments:
+        T = kv.shape[2]
+        targets.append(RestoreTarget(key, torch.arange(start, start + T, device="cuda"),
+                                     torch.arange(T, device="cuda") + 300 + start))
+        start = -(-(start + T) // 32) * 32
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+    tier = make_tier(store, "cuda", retain=False)
+    routes.TRACE = trace = []
+    try:
+        for child in range(2):
+            gates.clear()
+            trace.clear()
+            cache = layout.allocate("cuda", fill=0x7F)
+            result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                          layout=layout, rope=ROPE, verify="device")
+            assert result.report.placed and torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+            steps = [step for step, _ in trace]
+            if case == "gated":
+                assert gates == [True]
+                assert steps.index("placement launched behind the gate") < steps.index("roots compared")
+            else:
+                assert gates == ([False] if case == "gate refused" else [])
+                assert steps.index("roots compared") < steps.index("placement launched")
+        key = segments[1][0]
+        flip_payload_bit(store, key, 2000, 0x08)
+        gates.clear()
+        cache = layout.allocate("cuda", fill=0x7F)
+        before = cache.clone()
+        with pytest.raises(IntegrityError, match=key) as err:
+            restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                 layout=layout, rope=ROPE, verify="device")
+        assert segments[0][0] not in str(err.value) and segments[2][0] not in str(err.value)
+        torch.cuda.synchronize()
+        assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+        assert gates == ([True] if case == "gated" else [False] if case == "gate refused" else [])
+        assert tier.pool.in_use_bytes == tier.resident_bytes
+    finally:
+        routes.TRACE = None
     tier.close()
 
 
@@ -645,10 +763,10 @@ def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segment
             def pread_into(self, view, offset):
                 return failing(self._f, view, offset)
 
-        def chunk(self, file, buffer, base, a, b, file_offset, done):
+        def chunk(self, file, buffer, base, a, b, file_offset, done, after=None):
             if file.path == bad_path and file_offset >= 8192:
                 file = BadFile(file)
-            return real_chunk(self, file, buffer, base, a, b, file_offset, done)
+            return real_chunk(self, file, buffer, base, a, b, file_offset, done, after)
 
         monkeypatch.setattr(ReadEngine, "_read", chunk)
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
@@ -668,10 +786,10 @@ def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segment
 
 
 def test_every_restore_settles_its_verifier_whatever_happened(store, segments, monkeypatch):
-    """The short digest path's downloads are driver copies torch's pinned allocator does not track:
-    before the pinned table can go, the route waits for them (``_Verifier.settle``) after a success
-    and after a failure alike; settle waits for each root event only when the short path ran, and a
-    device error there does not replace the restore's own."""
+    """The digests' root downloads and the gate's upload are driver copies torch's pinned allocator
+    does not track: before the pinned table can go, the route waits for them (``_Verifier.settle``)
+    after a success and after a failure alike; settle waits for each root event and the gate's, and
+    a device error there does not replace the restore's own."""
     from kmesh_host import routes
 
     settled = []
@@ -697,12 +815,11 @@ def test_every_restore_settles_its_verifier_whatever_happened(store, segments, m
                 raise RuntimeError("CUDA error: injected")
 
     v = routes._Verifier("device", torch.zeros(8, dtype=torch.uint8), "auto", None, trust_verified=True)
+    real(v)  # nothing queued: nothing to wait for
     v._root_events = [Event(), Event(fail=True), Event()]
-    real(v)  # nothing went the short way: nothing to wait for
-    assert [e.waited for e in v._root_events] == [0, 0, 0]
-    v.fast_digests = 1
+    v._gate_done = Event(fail=True)
     real(v)
-    assert [e.waited for e in v._root_events] == [1, 1, 1]
+    assert [e.waited for e in v._root_events] == [1, 1, 1] and v._gate_done.waited == 1
 
 
 def test_forced_reads_reuse_the_pooled_buffers(store, segments):
