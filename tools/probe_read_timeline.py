@@ -11,7 +11,10 @@ callbacks were done) for, round by round and order alternating, page cache dropp
 * ``raw``: the benchmark's same-shape raw read into page-locked buffers, each chunk copied to the
   GPU with one driver call from its callback (what the route does per chunk, nothing else);
 * ``route``: ``restore_host_staging`` (tier evicted, verified on the device, placed);
-* ``unchecked``: the route with ``verify="none"``.
+* ``unchecked``: the route with ``verify="none"``;
+* ``earlier``: the route with each chunk copied as it lands (``routes.OBJECT_COPIES`` off), each
+  object hashed by its own launch as it lands (``routes.BATCH_LANDINGS`` off) and the placement
+  launched after the host's root comparison (``routes.GATED_PLACEMENT`` off), as before this probe.
 
 Per variant, medians over rounds (ms from the first submission): when the 1st, 4th, 8th, 12th and
 last completion was reaped, when the last callback was done, the longest wake-up (callbacks of one
@@ -38,9 +41,11 @@ import run_ssd_routes as rs  # noqa: E402
 from probe_read_factors import Reader  # noqa: E402
 
 from kmesh_host import HostTier, uring  # noqa: E402
+from kmesh_host import routes as routes_mod  # noqa: E402
 from kmesh_host.direct_io import ReadEngine  # noqa: E402
 
-VARIANTS = ("raw", "route", "unchecked")
+VARIANTS = ("raw", "route", "unchecked", "earlier")
+EARLIER = ("OBJECT_COPIES", "GATED_PLACEMENT", "BATCH_LANDINGS")  # the switches "earlier" turns off
 
 
 def summarise(trace: list) -> dict | None:
@@ -90,11 +95,15 @@ def main() -> None:
                             raw.once()
                             extra = {}
                         else:
+                            for switch in EARLIER:
+                                setattr(routes_mod, switch, name != "earlier")
                             got = work.child("host_staging", r % 4, tier, evict=True,
                                              verify="none" if name == "unchecked" else "device")
                             extra = {"read_s_ms": got["read_s"] * 1e3, "restore_s_ms": got["restore_s"] * 1e3}
                     finally:
                         uring.TRACE = None
+                        for switch in EARLIER:
+                            setattr(routes_mod, switch, True)
                     fig = summarise(trace)
                     if r and fig is not None:  # the first round warms every path
                         rows[name].append({**fig, **extra})
@@ -110,12 +119,18 @@ def main() -> None:
     lines.append(f"  {'':<22}" + "".join(f"{v:>11}" for v in VARIANTS))
     for k in keys:
         lines.append(f"  {k:<22}" + "".join(f"{med[v][k]:>11.3f}" if k in med[v] else f"{'':>11}" for v in VARIANTS))
+    ratios = {}
+    for name in ("route", "unchecked"):
+        pairs = [(a["restore_s_ms"], b["restore_s_ms"]) for a, b in zip(rows[name], rows["earlier"])]
+        if pairs:
+            ratios[name] = statistics.median(a / b for a, b in pairs)
+            lines.append(f"  restore {name} / earlier, per round: {ratios[name]:.3f}")
     text = "\n".join(lines)
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "probe_read_timeline.txt").write_text(text + "\n")
-        (Path(args.out) / "probe_read_timeline.json").write_text(json.dumps({"medians": med, "runs": rows}, indent=1))
+        (Path(args.out) / "probe_read_timeline.json").write_text(json.dumps({"medians": med, "ratios_to_earlier": ratios, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":
