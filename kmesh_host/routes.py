@@ -647,7 +647,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     # last one (one wake-up of this thread, not one per object: each would take the GIL from the
     # completion thread while it lands the next object)
     settled: list = []
-    all_settled = threading.Event()
+    all_settled = None  # (a threading.Event, made only when something is read)
     pending = 0  # loads started whose outcomes have not been taken yet
     stopped = []  # set when this call gives up: reading threads copy no further chunks
     streams = verifier = None
@@ -827,6 +827,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     failures.append(exc)
 
         if missing:
+            all_settled = threading.Event()
             pending = len(missing)
 
             # With ``per_chunk`` each chunk's copy is queued from the engine's completion thread as
