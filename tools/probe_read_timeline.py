@@ -14,14 +14,15 @@ callbacks were done) for, round by round and order alternating, page cache dropp
 * ``unchecked``: the route with ``verify="none"``;
 * ``earlier``: the route with each chunk copied as it lands (``routes.OBJECT_COPIES`` off), each
   object hashed by its own launch as it lands (``routes.BATCH_LANDINGS`` off) and the placement
-  launched after the host's root comparison (``routes.GATED_PLACEMENT`` off), as before this probe.
+  launched after the host's root comparison (``routes.GATED_PLACEMENT`` off), as before this probe;
+  ``--switches`` names a subset to turn off instead.
 
 Per variant, medians over rounds (ms from the first submission): when the 1st, 4th, 8th, 12th and
 last completion was reaped, when the last callback was done, the longest wake-up (callbacks of one
 batch), the most completions reaped at once, and the callback time in all; for the route also its
 ``read_s`` and ``restore_s``.
 
-Usage: PYTHONPATH=. python tools/probe_read_timeline.py [--rounds 12] [--out DIR]
+Usage: PYTHONPATH=. python tools/probe_read_timeline.py [--rounds 12] [--switches GATED_PLACEMENT,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -74,7 +75,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--switches", default=",".join(EARLIER),
+                    help="the kmesh_host.routes switches the 'earlier' variant turns off (default: all of them)")
     args = ap.parse_args()
+    switches = [x.strip().upper() for x in args.switches.split(",") if x.strip()]
+    for switch in switches:
+        if not isinstance(getattr(routes_mod, switch, None), bool):
+            sys.exit(f"kmesh_host.routes has no switch {switch}")
     device = torch.device("cuda")
     if not uring.available()[0]:
         sys.exit(f"io_uring is not available here: {uring.available()[1]}")
@@ -95,14 +102,14 @@ def main() -> None:
                             raw.once()
                             extra = {}
                         else:
-                            for switch in EARLIER:
+                            for switch in switches:
                                 setattr(routes_mod, switch, name != "earlier")
                             got = work.child("host_staging", r % 4, tier, evict=True,
                                              verify="none" if name == "unchecked" else "device")
                             extra = {"read_s_ms": got["read_s"] * 1e3, "restore_s_ms": got["restore_s"] * 1e3}
                     finally:
                         uring.TRACE = None
-                        for switch in EARLIER:
+                        for switch in switches:
                             setattr(routes_mod, switch, True)
                     fig = summarise(trace)
                     if r and fig is not None:  # the first round warms every path
@@ -113,7 +120,8 @@ def main() -> None:
             "longest_wakeup_ms", "callbacks_ms", "most_at_once", "wakeups", "read_s_ms", "restore_s_ms")
     med = {v: {k: statistics.median(x[k] for x in rows[v]) for k in keys if rows[v] and k in rows[v][0]}
            for v in VARIANTS}
-    lines = [f"forced-read child ({work.child_bytes / 2**20:.0f} MiB, {len(work.keys)} objects), io_uring queue depth "
+    lines = [f"'earlier' = the route with {', '.join(switches)} off",
+             f"forced-read child ({work.child_bytes / 2**20:.0f} MiB, {len(work.keys)} objects), io_uring queue depth "
              f"16, 1 MiB chunks, O_DIRECT, page cache dropped; {args.rounds} rounds, order alternating; medians, "
              "ms from the first submission"]
     lines.append(f"  {'':<22}" + "".join(f"{v:>11}" for v in VARIANTS))
