@@ -86,7 +86,7 @@ class DigestTimes:
 def child_steps(trace, report, digests: DigestTimes | None = None) -> dict:
     """A child's stamps as ms after its last object landed (the route's read end)."""
     names = [n for n, _ in trace]
-    landed = [t for n, t in trace if n == "object landed, digest queued"]
+    landed = [t for n, t in trace if n == "objects landed, digests queued"]
     start = trace[0][1]
     last = max(landed) if landed else start
     out = {"read_ms": report.timings["read_s"] * 1e3, "tail_ms": report.timings["tail_s"] * 1e3,

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _wrap(routes._Verifier, "landed", "landed")
+    _wrap(routes._Verifier, "landed_many", "landed")
     _wrap(routes._Verifier, "finish", "finish")
     _wrap(routes._Placement, "run", "place")
     _wrap(routes._Streams, "join", "join")
