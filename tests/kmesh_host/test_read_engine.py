@@ -219,3 +219,26 @@ def test_after_hook_follows_each_group_of_chunk_callbacks(data_file, engine):
     for i, (kind, thread) in enumerate(log):  # each callback's thread runs an `after` later on
         if kind == "chunk":
             assert ("after", thread) in log[i + 1:]
+
+
+@pytest.mark.skipif(not HAVE_URING, reason=f"io_uring not available here: {WHY}")
+def test_io_uring_after_hook_failure_does_not_stop_the_reader(data_file):
+    """An ``after`` hook that raises is recorded like a failing callback; later reads, their
+    callbacks and their hooks still run."""
+    path, data = data_file(4 * ALIGN)
+    with DirectFile(path) as f, HostBuffer(4 * ALIGN) as buf, uring.UringReader(depth=4) as reader:
+        ran, ok = [], threading.Event()
+
+        def bad_hook():
+            raise ValueError("hook bug")
+
+        reader.read(f.fileno(), buf.address, ALIGN, 0, lambda n, e: ran.append(n), size=f.size, after=bad_hook)
+        for _ in range(100):  # let the first read and its hook go by on their own wake-up
+            if reader.callback_errors:
+                break
+            threading.Event().wait(0.01)
+        reader.read(f.fileno(), buf.address + ALIGN, ALIGN, ALIGN, lambda n, e: ran.append(n), size=f.size,
+                    after=ok.set)
+        assert ok.wait(10)
+        assert bytes(buf.view[:2 * ALIGN]) == data[:2 * ALIGN]
+    assert ran == [ALIGN, ALIGN] and any(isinstance(e, ValueError) for e in reader.callback_errors)

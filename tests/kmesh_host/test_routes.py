@@ -512,6 +512,39 @@ def test_landings_are_copied_fenced_and_hashed_per_group(store, segments, record
     tier.close()
 
 
+@pytest.mark.parametrize("engine", ["threads", "io_uring"])
+def test_a_refused_digest_launch_fails_the_restore_and_leaks_nothing(store, segments, monkeypatch, engine):
+    """A failure while a group of landings is fenced and hashed (on a reading thread, in the engine's
+    after-batch hook, or on the restoring thread once loads settle) fails the restore with that
+    error: nothing is placed, every lease is released, and the next restore is exact."""
+    if engine == "io_uring" and not uring.available()[0]:
+        engine = "threads"
+    real, calls = routes_mod._Verifier.landed_many, []
+
+    def refusing(self, items, event=None):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise RuntimeError("digest launch refused: injected")
+        return real(self, items, event)
+
+    monkeypatch.setattr(routes_mod._Verifier, "landed_many", refusing)
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    before = cache.clone()
+    tier = make_tier(store, "cpu", io_engine=engine, retain=True)
+    with pytest.raises(RuntimeError, match="injected"):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE)
+    assert calls and torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    assert tier.pool.in_use_bytes == tier.resident_bytes  # no lease left behind
+    monkeypatch.undo()
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.placed
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    tier.close()
+
+
 def test_resident_issue_order_copies_once_per_object(store, segments, recorded):
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu", retain=True)
