@@ -29,19 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_ssd_routes as rs  # noqa: E402
 from probe_read_factors import Reader  # noqa: E402
+from probe_read_timeline import summarise  # noqa: E402
 
 from kmesh_host import HostTier, uring  # noqa: E402
 from kmesh_host.direct_io import ReadEngine  # noqa: E402
 
 
 def figures(trace: list) -> dict | None:
-    submits = [t for kind, t, *_ in trace if kind == "submit"]
-    wakes = [w for w in trace if w[0] == "wake"]
-    if not submits or not wakes:
+    """One run's figures, from :func:`probe_read_timeline.summarise` (ms from the first submission)."""
+    got = summarise(trace)
+    if got is None:
         return None
-    t0 = submits[0]
-    return {"first_ms": (wakes[0][1] - t0) * 1e3, "last_ms": (wakes[-1][1] - t0) * 1e3, "wakeups": len(wakes),
-            "most_at_once": max(n for _, _, n, _ in wakes), "done_ms": (wakes[-1][3] - t0) * 1e3}
+    return {"first_ms": got["landed_1_ms"], "last_ms": got["landed_last_ms"], "wakeups": got["wakeups"],
+            "most_at_once": got["most_at_once"], "done_ms": got["last_callback_ms"]}
 
 
 def main() -> None:
