@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_ssd_routes as rs  # noqa: E402
 from probe_read_factors import Reader  # noqa: E402
-from probe_read_timeline import summarise  # noqa: E402
+from probe_read_timeline import report, summarise  # noqa: E402
 
 from kmesh_host import HostTier, uring  # noqa: E402
 from kmesh_host.direct_io import ReadEngine  # noqa: E402
@@ -99,13 +98,7 @@ def main() -> None:
         if pairs:
             ratios[d] = statistics.median(a["restore_ms"] / b["restore_ms"] for a, b in pairs)
             lines.append(f"  restore route@{d} / {base}, per round: {ratios[d]:.3f}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "probe_read_depth.txt").write_text(text + "\n")
-        (Path(args.out) / "probe_read_depth.json").write_text(json.dumps({"medians": med, "ratios": ratios,
-                                                                           "runs": rows}, indent=1))
+    report(args.out, "probe_read_depth", lines, {"medians": med, "ratios": ratios, "runs": rows})
 
 
 if __name__ == "__main__":

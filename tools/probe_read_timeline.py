@@ -133,12 +133,17 @@ def main() -> None:
         if pairs:
             ratios[name] = statistics.median(a / b for a, b in pairs)
             lines.append(f"  restore {name} / earlier, per round: {ratios[name]:.3f}")
+    report(args.out, "probe_read_timeline", lines, {"medians": med, "ratios_to_earlier": ratios, "runs": rows})
+
+
+def report(out: str | None, name: str, lines: list, data: dict) -> None:
+    """Print ``lines``; with ``out``, also write them to ``out/name.txt`` and ``data`` to ``out/name.json``."""
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "probe_read_timeline.txt").write_text(text + "\n")
-        (Path(args.out) / "probe_read_timeline.json").write_text(json.dumps({"medians": med, "ratios_to_earlier": ratios, "runs": rows}, indent=1))
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.txt").write_text(text + "\n")
+        (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":
