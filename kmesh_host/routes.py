@@ -315,7 +315,6 @@ class _Verifier:
         self._host_roots = self._dev_roots = None
         self._root_events: list = []  # per digest launch (tables only): an event after its roots' download
         self.fast_digests = 0  # digest launches that took the short path (tests, tools)
-        self.launches = 0  # digest launches into the tables (tests, tools)
         self.gated = False  # the placement was queued behind a device comparison of the roots (gate())
         self._gate_done = None  # an event after the gate
         if mode == "device" and objects > 0 and buffer.is_cuda:
@@ -404,7 +403,6 @@ class _Verifier:
                                                fanout=fanout, backend=self.backend)
                 out.copy_(roots, non_blocking=True)  # the gate compares the device rows
                 self._host_roots[k:k + m].copy_(roots, non_blocking=True)
-        self.launches += 1
         event = _driver.DriverEvent.recorded(side.cuda_stream)
         if event is None:
             event = torch.cuda.Event()
@@ -760,10 +758,10 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         report = _new_report(device, engine)
         _stamp("report made")
         # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
-        # the thread that lands a chunk issues its async H2D copy on the copy stream itself, and the
-        # thread that finishes an object (the tier reports it done after all its chunk callbacks
-        # returned) launches its digest at once (`land`), while the other reads go on: no hop to
-        # this thread sits between an object's last byte and its digest.
+        # the thread that finishes an object (the tier reports it done after all its chunk
+        # callbacks returned) queues its copy at once (`land`), and after each group of landings the
+        # reader reports together it fences them and queues their digest (`flush`), while the other
+        # reads go on: no hop to this thread sits between an object's last byte and its digest.
         verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=n)
         _stamp("placement checked")
         failures: list = []
