@@ -242,3 +242,83 @@ def test_io_uring_after_hook_failure_does_not_stop_the_reader(data_file):
         assert ok.wait(10)
         assert bytes(buf.view[:2 * ALIGN]) == data[:2 * ALIGN]
     assert ran == [ALIGN, ALIGN] and any(isinstance(e, ValueError) for e in reader.callback_errors)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("offset,length", [(0, 20 * 4096), (1000, 9 * 4096 + 17), (4095, 3 * 4096 + 1)])
+def test_landed_hook_reports_every_chunk_before_its_callback(data_file, engine, offset, length):
+    """``ReadEngine.start(landed=, tag=)``: one hook shared by two ranges reports ``(tag, lo, hi)``
+    of every chunk, each before that chunk's ``on_chunk`` and with the same span, its bytes already
+    in the buffer; the spans of each range tile exactly its requested bytes (edges not multiples
+    of 4096 included). With io_uring one call can hold chunks of both ranges."""
+    path, data = data_file(offset + length + 5000)
+    lead = offset % ALIGN
+    size = round_up(lead + length)
+    log, lock, done = [], threading.Lock(), threading.Semaphore(0)
+    with DirectFile(path) as f, DirectFile(path) as g, ReadEngine(8, 4096, engine=engine) as reader, \
+            HostBuffer(size) as buf, HostBuffer(size) as other:
+        views = {"a": buf.view, "b": other.view}
+
+        def landed(spans):
+            with lock:
+                log.append(("landed", [(tag, lo, hi, bytes(views[tag][lo:hi])) for tag, lo, hi in spans]))
+
+        def chunk(tag):
+            def on_chunk(lo, hi, err):
+                assert err is None
+                with lock:
+                    log.append(("chunk", (tag, lo, hi)))
+                done.release()
+            return on_chunk
+
+        n = reader.start(f, offset, length, buf.view, chunk("a"), landed=landed, tag="a")
+        m = reader.start(g, offset, length, other.view, chunk("b"), landed=landed, tag="b")
+        for _ in range(n + m):
+            done.acquire()
+        reader.close()
+    reported = {}
+    for i, (kind, what) in enumerate(log):
+        if kind == "landed":
+            for tag, lo, hi, got in what:
+                assert got == data[offset + lo - lead: offset + hi - lead]  # in memory when reported
+                assert (tag, lo, hi) not in reported
+                reported[(tag, lo, hi)] = i
+    chunks = [(i, what) for i, (kind, what) in enumerate(log) if kind == "chunk"]
+    assert len(chunks) == n + m and len(reported) == n + m
+    for i, span in chunks:
+        assert reported[span] < i  # reported before its callback
+    for tag in "ab":
+        spans = sorted((lo, hi) for t, lo, hi in reported if t == tag)
+        assert spans[0][0] == lead and spans[-1][1] == lead + length
+        assert all(spans[k][1] == spans[k + 1][0] for k in range(len(spans) - 1))
+    if engine == "threads":
+        assert all(len(what) == 1 for kind, what in log if kind == "landed")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_landed_hook_that_raises_fails_its_chunks_only(data_file, engine):
+    """A ``landed`` hook that raises fails the chunks it was given: their ``on_chunk`` gets its
+    error; chunks of a range without the hook read normally and the engine keeps serving."""
+    path, data = data_file(8 * 4096)
+    results, lock, done = {}, threading.Lock(), threading.Semaphore(0)
+    with DirectFile(path) as f, DirectFile(path) as g, ReadEngine(4, 4096, engine=engine) as reader, \
+            HostBuffer(8 * 4096) as buf, HostBuffer(8 * 4096) as other:
+        def landed(spans):
+            raise ValueError("landed hook bug")
+
+        def chunk(tag):
+            def on_chunk(lo, hi, err):
+                with lock:
+                    results[(tag, lo)] = err
+                done.release()
+            return on_chunk
+
+        n = reader.start(f, 0, 8 * 4096, buf.view, chunk("hooked"), landed=landed, tag=0)
+        m = reader.start(g, 0, 8 * 4096, other.view, chunk("plain"))
+        for _ in range(n + m):
+            done.acquire()
+        again = reader.read(g, 0, 8 * 4096, other.view)
+        assert bytes(again) == data
+    assert all(isinstance(e, ValueError) for (tag, _), e in results.items() if tag == "hooked")
+    assert all(e is None for (tag, _), e in results.items() if tag == "plain")
+    assert len(results) == n + m == 16
