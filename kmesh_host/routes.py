@@ -799,9 +799,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         early_bytes = [0] * n
         copied_early: set = set()
         hashed_early: set = set()
-        placing_now: list = [None]  # the prepared placement, once this thread has it (lock held)
-        placed_early: list = []  # set when the reading thread queued the gate and the placement
-        gate_tried: list = []  # set when that was tried (a refused gate is not tried again)
 
         def land(i: int, lease, when: float) -> None:
             """Object ``i``'s load finished (lock held): its checks and bookkeeping; :func:`flush`
@@ -834,19 +831,14 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 return
             group = arrived[:]
             arrived.clear()
-            # objects copied early are fenced on their buffers and awaited by the work stream already
-            late = [(i, lease) for i, lease in group if i not in copied_early]
-            # an event after every copy issued so far (chunk copies too), unless every object was
-            # copied and hashed early
-            event = streams.copied() if late or any(i not in hashed_early for i, _ in group) else None
-            for _, lease in late:  # fenced also when the restore gives up
+            event = streams.copied()  # after every copy issued so far (chunk copies too)
+            for _, lease in group:  # fenced also when the restore gives up
                 lease.fence(event)
             if stopped or failures:
                 return
             for i, _ in group:
                 report.bytes_moved += headers[i].padded_length
-            if event is not None:
-                streams.work_after(event)
+            streams.work_after(event)
             verifier.landed_many([(offsets[i], headers[i], lease) for i, lease in group if i not in hashed_early],
                                  event)
             for i, lease in group:
@@ -862,19 +854,10 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 if stopped or failures:
                     return
                 try:
-                    # rows (device address, host address, bytes, object), chunks of one object that
-                    # follow each other in its buffer merged into one copy
-                    rows, objs, bufs, complete = [], [], {}, []
-                    for j, buf, address, lo, hi in sorted(chunks, key=_chunk_order):
+                    rows, bufs, complete = [], {}, []
+                    for j, buf, address, lo, hi in chunks:
                         i = missing[j]
-                        dst = base + offsets[i] + lo
-                        last = rows[-1] if rows else None
-                        if last is not None and objs[-1] == i and last[0] + last[2] == dst \
-                                and last[1] + last[2] == address:
-                            last[2] += hi - lo
-                        else:
-                            rows.append([dst, address, hi - lo])
-                            objs.append(i)
+                        rows.append((base + offsets[i] + lo, address, hi - lo))
                         bufs[id(buf)] = buf
                         got = early_bytes[i] = early_bytes[i] + (hi - lo)
                         if got == headers[i].padded_length:
@@ -882,16 +865,16 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                     if copy_handle is not None:
                         queued = _driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), copy_handle)
                         for k in range(queued, len(rows)):  # refused: those objects copy at their landing
-                            i = objs[k]
+                            i = missing[chunks[k][0]]
                             early_bytes[i] = -(1 << 62)
                             if i in complete:
                                 complete.remove(i)
                     else:
                         with streams.on_copy():  # (no stream on the CPU: in order, now)
-                            for dst, src, nbytes in rows:
-                                ctypes.memmove(dst, src, nbytes)
+                            for row in rows:
+                                ctypes.memmove(*row)
                     event = streams.copied()
-                    for buf in bufs.values():  # (the fences of these objects' leases, and of a failed load's buffer)
+                    for buf in bufs.values():  # the load's buffer may go back to the pool on a failure
                         buf.set_fence(event)
                     streams.work_after(event)  # (the placement reads every byte copied here)
                     if complete:
@@ -899,23 +882,9 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                         if early_hash:
                             verifier.landed_many([(offsets[i], headers[i], None) for i in complete], event)
                             hashed_early.update(complete)
-                            _stamp("objects copied and hashed as reaped")
-                            place_early()
+                        _stamp("objects copied and hashed as reaped")
                 except BaseException as exc:
                     failures.append(exc)
-
-        def place_early() -> None:
-            """(lock held) Once every object of the restore is hashed early and the placement is
-            prepared: the gate and the placement queued now, behind the digests, rather than by
-            this thread once the landings' bookkeeping is done and it has woken."""
-            if len(hashed_early) != n or placing_now[0] is None or gate_tried:
-                return
-            placement_ = placing_now[0]
-            gate_tried.append(True)
-            if verifier.gate(placement_.launch):
-                placed_early.append(True)
-                placement_.run()
-                _stamp("placement launched behind the gate (early)")
 
         def on_batch() -> None:
             with land_lock:
@@ -967,14 +936,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                              on_landed=on_landed if early else None)
         # 3. While the bytes move: the placement (validation and launch tables).
         placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
-        if early and placement is not None and GATED_PLACEMENT:
-            with land_lock:
-                placing_now[0] = placement
-                if not (stopped or failures):
-                    try:
-                        place_early()  # every object hashed already (reads that beat the preparation)
-                    except BaseException as exc:
-                        failures.append(exc)
         if resident:
             with land_lock:
                 # Digests and placement read the resident objects only after their copies.
@@ -998,8 +959,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         # The placement behind a device comparison of the roots where it can be (it writes nothing
         # unless all match), so that it follows the last digest on the device, not the host's
         # comparison; otherwise it is launched once the host has compared.
-        gated = bool(placed_early) or (placement is not None and not gate_tried and verifier.gate(placement.launch))
-        if gated and not placed_early:
+        gated = placement is not None and verifier.gate(placement.launch)
+        if gated:
             placement.run()
             _stamp("placement launched behind the gate")
         verify_s, bad = verifier.finish()
@@ -1042,11 +1003,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             tier.close()
     return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
                           read_start, read_end, verify_s, prepare_s, t0)
-
-
-def _chunk_order(chunk: tuple) -> tuple:
-    """Early landings' chunks ``(j, buffer, address, lo, hi)`` by object, then position."""
-    return chunk[0], chunk[3]
 
 
 def _take_leases(settled: list, leases: list) -> int:

@@ -747,22 +747,18 @@ def test_repeated_forced_reads_check_every_object_on_the_short_digest_path(store
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["gated early", "gated", "gate refused", "off"])
+@pytest.mark.parametrize("case", ["gated", "gate refused", "off"])
 def test_placement_behind_the_device_root_check_writes_nothing_for_a_corrupt_object(store, segments, monkeypatch,
                                                                                      case):
     """With device verification a forced read's placement is launched behind a device comparison of
     the roots, before the host compares them (``routes.GATED_PLACEMENT``, ``_Launch.gate``): a good
     child is placed exactly; with an object corrupted on storage the gate empties the run table on
     the device, so the cache keeps every byte and the error names that object. A gate the driver
-    refuses (or switched off) leaves the placement after the host's comparison, with the same results.
-    With early landings (``routes.EARLY_LANDINGS``) the gate and the placement are queued as soon as
-    every object is hashed, by the reading thread (or by the restoring thread right after the
-    preparation, when the reads were faster)."""
+    refuses (or switched off) leaves the placement after the host's comparison, with the same results."""
     from kmesh_gpu.place import _Launch
     from kmesh_host import routes
 
     monkeypatch.setattr(routes, "GATED_PLACEMENT", case != "off")
-    monkeypatch.setattr(routes, "EARLY_LANDINGS", case == "gated early")
     gates, real = [], _Launch.gate
 
     def gate(self, *a):
@@ -791,10 +787,9 @@ def test_placement_behind_the_device_root_check_writes_nothing_for_a_corrupt_obj
                                           layout=layout, rope=ROPE, verify="device")
             assert result.report.placed and torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
             steps = [step for step, _ in trace]
-            if case.startswith("gated"):
+            if case == "gated":
                 assert gates == [True]
-                launched = "placement launched behind the gate" + (" (early)" if case == "gated early" else "")
-                assert steps.index(launched) < steps.index("roots compared")
+                assert steps.index("placement launched behind the gate") < steps.index("roots compared")
             else:
                 assert gates == ([False] if case == "gate refused" else [])
                 assert steps.index("roots compared") < steps.index("placement launched")
@@ -809,7 +804,7 @@ def test_placement_behind_the_device_root_check_writes_nothing_for_a_corrupt_obj
         assert segments[0][0] not in str(err.value) and segments[2][0] not in str(err.value)
         torch.cuda.synchronize()
         assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
-        assert gates == ([True] if case.startswith("gated") else [False] if case == "gate refused" else [])
+        assert gates == ([True] if case == "gated" else [False] if case == "gate refused" else [])
         assert tier.pool.in_use_bytes == tier.resident_bytes
     finally:
         routes.TRACE = None
