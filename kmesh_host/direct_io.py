@@ -267,18 +267,15 @@ class ReadEngine:
         return lead, start, [(a, min(total, a + self.chunk_bytes)) for a in range(0, total, self.chunk_bytes)]
 
     def _read(self, file: DirectFile, buffer: memoryview, base: int, a: int, b: int, file_offset: int,
-              done: Callable[[int, BaseException | None], None], after: Callable[[], None] | None = None,
-              landed: Callable[[list], None] | None = None, span: tuple | None = None) -> None:
+              done: Callable[[int, BaseException | None], None], after: Callable[[], None] | None = None) -> None:
         """Read ``buffer[a:b]`` from ``file_offset``; ``done(nbytes, error)`` once it is whole or failed,
-        then ``after()``; ``landed`` and ``span``: see :meth:`start`."""
+        then ``after()`` (see :meth:`start`)."""
         if self._uring is not None:
             view = buffer[a:b]
             # a failed read is redone synchronously: it raises the StorageError, or (EINVAL on the
             # first O_DIRECT read) the file falls back to the page cache as on the thread pool
             self._uring.read(file.fileno(), base + a, b - a, file_offset, done, size=file.size,
-                             retry=lambda: file.pread_into(view, file_offset), after=after,
-                             landed=None if landed is None else functools.partial(_landed_spans, landed),
-                             landed_key=None if landed is None else id(landed), tag=span)
+                             retry=lambda: file.pread_into(view, file_offset), after=after)
             return
 
         def run():
@@ -287,13 +284,7 @@ class ReadEngine:
             except BaseException as exc:
                 done(0, exc)
             else:
-                error = None
-                if landed is not None:
-                    try:
-                        _landed_spans(landed, [(span, n)])
-                    except BaseException as exc:  # as on io_uring: the hook's error fails the chunk
-                        error = exc
-                done(n, error)
+                done(n, None)
             if after is not None:
                 after()
 
@@ -322,8 +313,7 @@ class ReadEngine:
 
     def start(self, file: DirectFile, offset: int, length: int, buffer: memoryview,
               on_chunk: Callable[[int, int, BaseException | None], None], *, name: str = "",
-              after: Callable[[], None] | None = None, landed: Callable[[list], None] | None = None,
-              tag=None) -> int:
+              after: Callable[[], None] | None = None) -> int:
         """Start reading ``file[offset : offset + length]`` into ``buffer`` (placed as in :meth:`submit`).
 
         ``on_chunk(lo, hi, error)`` runs once per chunk, as it completes (any order), on the
@@ -337,16 +327,6 @@ class ReadEngine:
         any of this range's reads (after every callback of that wake-up), on the thread pool after
         each chunk's ``on_chunk``. A hint for batching follow-up work; it is not called for chunks
         that fail before they are queued.
-
-        ``landed(spans)`` (optional; must not raise) runs on the same thread *before* the
-        ``on_chunk`` calls of chunks that completed together, with ``(tag, lo, hi)`` of each of
-        them whose bytes are all in ``buffer[lo:hi]`` (the span ``on_chunk`` will get without an
-        error): a caller can start what needs only the bytes (a copy to the GPU) ahead of the
-        bookkeeping. Pass one hook (and a ``tag`` per range) to several ranges to get their chunks
-        in one call: with io_uring once per wake-up for every range given that hook, on the thread
-        pool once per chunk. A chunk missing from every call (failed, retried, short) still gets
-        its ``on_chunk``. A hook that raises fails the chunks it was given (their ``on_chunk``
-        gets its error).
         """
         lead, start, chunks = self._chunks(file, offset, length, buffer)
         end = lead + length
@@ -355,11 +335,7 @@ class ReadEngine:
         for a, b in chunks:
             done = functools.partial(_chunk_done, a, b, lead, end, label, on_chunk)
             try:
-                if landed is None:
-                    self._read(file, buffer, base, a, b, start + a, done, after)
-                else:
-                    self._read(file, buffer, base, a, b, start + a, done, after, landed=landed,
-                               span=(tag, a, b, lead, end))
+                self._read(file, buffer, base, a, b, start + a, done, after)
             except Exception as exc:  # not queued (engine closed, io_uring_enter failed): this chunk fails
                 done(0, exc if isinstance(exc, StorageError) else
                      StorageError(f"segment {label}: read at {start + a} could not be queued: {exc}"))
@@ -398,14 +374,6 @@ def _chunk_done(a: int, b: int, lead: int, end: int, name: str, on_chunk, n: int
         error = IntegrityError(f"segment {name}: file ends at {a + n} bytes into the read range, "
                                f"expected {end} (truncated)")
     on_chunk(max(a, lead), min(b, end), error)
-
-
-def _landed_spans(landed, reads) -> None:
-    """``landed([(tag, lo, hi), ...])`` for the reads ``((tag, a, b, lead, end), nbytes)`` whose
-    requested bytes are all in (what :func:`_chunk_done` reports without an error)."""
-    spans = [(tag, max(a, lead), min(b, end)) for (tag, a, b, lead, end), n in reads if a + n >= min(b, end)]
-    if spans:
-        landed(spans)
 
 
 class RangeRead:

@@ -53,7 +53,6 @@ trusted has nothing to overlap: its copies and placement run in order on the cal
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 import time
@@ -412,15 +411,6 @@ class _Verifier:
         self._checked.extend(items)
         self._rows += m
 
-    def attach(self, offset: int, lease) -> None:
-        """The lease of the object checked at ``offset`` (hashed before its lease existed), so that
-        :meth:`mark_verified` marks its tier entry."""
-        for k, (o, header, held) in enumerate(self._checked):
-            if o == offset and held is None:
-                self._checked[k] = (o, header, lease)
-                return
-        raise RuntimeError(f"_Verifier: no object checked at offset {offset} to attach a lease to")
-
     def _in_tables(self) -> bool:
         """Every checked object's root is (on its way) in the tables."""
         return self._host_roots is not None and self._rows == len(self._checked) and not self._roots
@@ -607,13 +597,6 @@ GATED_PLACEMENT = True
 #: ``True``: objects that land together (the engine reports a group of completions at once) are
 #: copied, fenced and hashed together: one event, one digest launch; ``False``: each as it lands
 BATCH_LANDINGS = True
-#: ``True``: read chunks are copied to the GPU as the engine reaps them, before the tier's and the
-#: route's bookkeeping of that wake-up (``HostTier.start_loads(on_landed=)``): all chunks reaped
-#: together in one compiled driver call, and objects whose chunks are then all copied fenced and
-#: hashed at once, so the DMA and the digest start ahead of the landings' Python; ``False``: an
-#: object's copy and digest are queued by its landing (comparisons, ``tools/probe_read_timeline.py
-#: --switches EARLY_LANDINGS``)
-EARLY_LANDINGS = True
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -791,14 +774,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         per_chunk = not OBJECT_COPIES
 
         arrived: list = []  # (i, lease) of objects landed whose copies and digests are not queued yet
-        # Early landings (``EARLY_LANDINGS``): chunk bytes copied as the engine reaps them, counted
-        # per object; an object whose chunks are all copied is ``copied_early`` (its landing queues
-        # no copy) and, with device digests of reads, ``hashed_early`` (nor a digest).
-        early = EARLY_LANDINGS and (copy_handle is not None or device.type == "cpu") and not per_chunk
-        early_hash = verify == "device" and (tier.config.verify == "none" or not trust_verified)
-        early_bytes = [0] * n
-        copied_early: set = set()
-        hashed_early: set = set()
 
         def land(i: int, lease, when: float) -> None:
             """Object ``i``'s load finished (lock held): its checks and bookkeeping; :func:`flush`
@@ -815,7 +790,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                 o_direct_flags.add(lease.o_direct)
                 if lease.io_note:
                     io_notes.add(lease.io_note)
-            if not (lease.source == "read" and per_chunk) and i not in copied_early:  # the DMA starts at once
+            if not (lease.source == "read" and per_chunk):  # the DMA starts at once
                 _copy_into(buffer, offsets[i], lease, streams, copy_handle)
             arrived.append((i, lease))
             if not BATCH_LANDINGS:
@@ -824,9 +799,9 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
         def flush() -> None:
             """(lock held) The objects landed (and copied) since the last flush: one event after
             their copies fencing their buffers and awaited by the work stream, and their digests,
-            one launch for all of them (``landed_many``), but for those hashed early. Runs on the
-            reading thread after each group of landings the engine reports together (``on_batch``),
-            and on this thread once every load has settled."""
+            one launch for all of them (``landed_many``). Runs on the reading thread after each
+            group of landings the engine reports together (``on_batch``), and on this thread once
+            every load has settled."""
             if not arrived:
                 return
             group = arrived[:]
@@ -839,52 +814,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             for i, _ in group:
                 report.bytes_moved += headers[i].padded_length
             streams.work_after(event)
-            verifier.landed_many([(offsets[i], headers[i], lease) for i, lease in group if i not in hashed_early],
-                                 event)
-            for i, lease in group:
-                if i in hashed_early:  # its digest is queued: the lease is marked verified if it matches
-                    verifier.attach(offsets[i], lease)
+            verifier.landed_many([(offsets[i], headers[i], lease) for i, lease in group], event)
             _stamp("objects landed, digests queued")
-
-        def on_landed(chunks) -> None:
-            """Chunks the engine reaped together (before their callbacks): their copies in one driver
-            call (a memmove on the CPU), fenced by one event the work stream waits for; objects whose
-            every chunk is now copied are, with ``early_hash``, hashed by one launch behind it."""
-            with land_lock:
-                if stopped or failures:
-                    return
-                try:
-                    rows, bufs, complete = [], {}, []
-                    for j, buf, address, lo, hi in chunks:
-                        i = missing[j]
-                        rows.append((base + offsets[i] + lo, address, hi - lo))
-                        bufs[id(buf)] = buf
-                        got = early_bytes[i] = early_bytes[i] + (hi - lo)
-                        if got == headers[i].padded_length:
-                            complete.append(i)
-                    if copy_handle is not None:
-                        queued = _driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), copy_handle)
-                        for k in range(queued, len(rows)):  # refused: those objects copy at their landing
-                            i = missing[chunks[k][0]]
-                            early_bytes[i] = -(1 << 62)
-                            if i in complete:
-                                complete.remove(i)
-                    else:
-                        with streams.on_copy():  # (no stream on the CPU: in order, now)
-                            for row in rows:
-                                ctypes.memmove(*row)
-                    event = streams.copied()
-                    for buf in bufs.values():  # the load's buffer may go back to the pool on a failure
-                        buf.set_fence(event)
-                    streams.work_after(event)  # (the placement reads every byte copied here)
-                    if complete:
-                        copied_early.update(complete)
-                        if early_hash:
-                            verifier.landed_many([(offsets[i], headers[i], None) for i in complete], event)
-                            hashed_early.update(complete)
-                        _stamp("objects copied and hashed as reaped")
-                except BaseException as exc:
-                    failures.append(exc)
 
         def on_batch() -> None:
             with land_lock:
@@ -932,8 +863,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
 
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
                              headers=[headers[i] for i in missing], on_chunk=on_chunk if per_chunk else None,
-                             on_done=on_done, on_batch=on_batch if BATCH_LANDINGS else None,
-                             on_landed=on_landed if early else None)
+                             on_done=on_done, on_batch=on_batch if BATCH_LANDINGS else None)
         # 3. While the bytes move: the placement (validation and launch tables).
         placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
         if resident:

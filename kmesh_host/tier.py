@@ -29,7 +29,6 @@ recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only af
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -425,8 +424,7 @@ class HostTier:
         return self._loader.submit(self.acquire, key, model_fingerprint=model_fingerprint, on_chunk=on_chunk)
 
     def start_loads(self, keys, *, model_fingerprint: ModelFingerprint, on_done: Callable,
-                    on_chunk: Callable | None = None, headers=None, on_batch: Callable | None = None,
-                    on_landed: Callable | None = None) -> None:
+                    on_chunk: Callable | None = None, headers=None, on_batch: Callable | None = None) -> None:
         """Bring ``keys`` into the tier together; ``on_done(i, lease, error)`` reports each of them.
 
         Resident keys are leased at once (``source="hit"``). For the others every chunk read is
@@ -446,20 +444,9 @@ class HostTier:
         a hint for doing follow-up work once per group; it is not a promise that every ``on_done``
         is followed by one (a host check moves ``on_done`` to another thread, a failure or a hit
         reports at once).
-        ``on_landed(chunks)`` (optional; must not raise) runs on a reading thread before the
-        callbacks of chunks of this call's reads that completed together (``ReadEngine.start``'s
-        ``landed``), with ``(i, buffer, address, start, stop)`` of each: payload bytes ``[start,
-        stop)`` of key ``i`` are at host ``address``, in the tier's ``buffer`` (a
-        :class:`~kmesh_host.direct_io.HostBuffer`, page-locked where the tier pins). An
-        asynchronous copy queued from there must be fenced on ``buffer`` (``set_fence``): the buffer
-        goes back to the pool without waiting for the caller if the load fails. For work that needs
-        only the bytes (a copy to the GPU) ahead of the bookkeeping; a chunk that failed or was read
-        again is not reported, so a key's reported chunks cover its payload only when all of them
-        were read whole.
         """
         if self._closed:
             raise KmeshError("host tier is closed")
-        landed = None if on_landed is None else functools.partial(_landed, on_landed)
         loads = []
         for i, key in enumerate(keys):
             try:
@@ -490,7 +477,7 @@ class HostTier:
             try:
                 header = headers[i] if headers is not None else self.store.read_header(key)
                 check_fingerprint(header, model_fingerprint)
-                loads.append(_PipelinedLoad(self, i, key, header, call, on_chunk, on_done, on_batch, landed))
+                loads.append(_PipelinedLoad(self, i, key, header, call, on_chunk, on_done, on_batch))
             except BaseException as exc:
                 if call is not None:
                     self._flight.settle(key, call, error=exc)
@@ -704,11 +691,6 @@ class HostTier:
         self.close()
 
 
-def _landed(on_landed, spans) -> None:
-    """:meth:`HostTier.start_loads`'s ``on_landed`` for the engine's ``landed`` spans ``(load, lo, hi)``."""
-    on_landed([(load.i, load.buf, load.buf.address + lo, lo - load.lead, hi - load.lead) for load, lo, hi in spans])
-
-
 def _guarded(on_chunk, errors: list):
     """``on_chunk`` that records its first failure in ``errors`` (and is not called again)."""
     def chunk(c, lo, hi):
@@ -742,9 +724,9 @@ class _PipelinedLoad:
     """
 
     def __init__(self, tier: HostTier, i: int, key: str, header: SegmentHeader, call, on_chunk, on_done,
-                 on_batch=None, landed=None):
+                 on_batch=None):
         self.tier, self.i, self.key, self.header, self.call = tier, i, key, header, call
-        self.on_chunk, self.on_done, self.on_batch, self.landed = on_chunk, on_done, on_batch, landed
+        self.on_chunk, self.on_done, self.on_batch = on_chunk, on_done, on_batch
         self.lead = header.payload_offset % 4096
         self.buf = tier.pool.acquire(self.lead + header.padded_length, name=key)
         try:
@@ -764,7 +746,7 @@ class _PipelinedLoad:
             self._chunk(self.lead, self.lead, None)
             return
         self.tier._engine.start(self.file, h.payload_offset, h.padded_length, self.buf.view, self._chunk,
-                                name=self.key, after=self.on_batch, landed=self.landed, tag=self)
+                                name=self.key, after=self.on_batch)
 
     def _chunk(self, lo: int, hi: int, error: BaseException | None) -> None:
         if error is None and self.on_chunk is not None and self.error is None:

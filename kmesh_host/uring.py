@@ -216,15 +216,11 @@ def available() -> tuple[bool, str]:
 
 
 class _Read:
-    __slots__ = ("fd", "address", "length", "offset", "size", "done", "callback", "retry", "after", "landed",
-                 "landed_key", "tag", "failed")
+    __slots__ = ("fd", "address", "length", "offset", "size", "done", "callback", "retry", "after")
 
-    def __init__(self, fd, address, length, offset, size, callback, retry, after, landed=None, landed_key=None,
-                 tag=None):
+    def __init__(self, fd, address, length, offset, size, callback, retry, after):
         self.fd, self.address, self.length, self.offset, self.size = fd, address, length, offset, size
         self.done, self.callback, self.retry, self.after = 0, callback, retry, after
-        self.landed, self.landed_key, self.tag = landed, landed_key, tag
-        self.failed: BaseException | None = None  # its landed hook raised: the callback gets that error
 
 
 class UringReader:
@@ -240,13 +236,6 @@ class UringReader:
     that one wake-up reaped have run, once per distinct hook: a caller whose reads complete
     together (a disk that completes a batch of reads at once) does its follow-up work once for the
     batch rather than once per read.
-
-    ``landed(reads)`` (optional, per read) runs on the completion thread *before* any callback of
-    a wake-up, once per distinct ``landed_key``, with ``(tag, nbytes)`` of each read of that key
-    the wake-up reaped without an error (``nbytes`` as the callback will get it): a caller can
-    start what only needs the bytes (a copy to the GPU) before the reads' bookkeeping runs. A read
-    that failed is not in it (its retry, if any, runs with the callbacks). A hook that raises
-    fails the reads it was given: their callbacks get its error.
     """
 
     def __init__(self, depth: int = 16):
@@ -264,15 +253,10 @@ class UringReader:
 
     def read(self, fd: int, address: int, length: int, offset: int, callback: Callable[[int, BaseException | None], None],
              *, size: int | None = None, retry: Callable[[], int] | None = None,
-             after: Callable[[], None] | None = None, landed: Callable[[list], None] | None = None,
-             landed_key=None, tag=None) -> None:
+             after: Callable[[], None] | None = None) -> None:
         """Queue a read (see the class docstring); ``size``: the file's size, where a short read
-        ends the read rather than asking for the rest (which O_DIRECT could not align).
-        ``landed``, ``landed_key`` (default ``id(landed)``) and ``tag``: see the class docstring."""
-        if landed is not None and landed_key is None:
-            landed_key = id(landed)
-        op = _Read(fd, address, length, offset, (1 << 63) if size is None else size, callback, retry, after,
-                   landed, landed_key, tag)
+        ends the read rather than asking for the rest (which O_DIRECT could not align)."""
+        op = _Read(fd, address, length, offset, (1 << 63) if size is None else size, callback, retry, after)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("UringReader: closed")
@@ -319,27 +303,10 @@ class UringReader:
                         op.done += res
                     finished.append((op, res))
                 self._fill()
-            early: dict = {}
-            for op, res in finished:
-                if op.landed is not None and res >= 0:
-                    group = early.get(op.landed_key)
-                    if group is None:
-                        group = early[op.landed_key] = (op.landed, [], [])
-                    group[1].append((op.tag, op.done))
-                    group[2].append(op)
-            for hook, reads, ops in early.values():
-                try:
-                    hook(reads)
-                except BaseException as exc:
-                    for op in ops:
-                        op.failed = exc
             hooks = {}
             for op, res in finished:
                 try:
-                    if op.failed is not None:
-                        op.callback(op.done, op.failed)
-                    else:
-                        self._finish(op, res)
+                    self._finish(op, res)
                 except BaseException as exc:  # a callback's own failure must not stop the reaper
                     self.callback_errors.append(exc)
                 if op.after is not None:

@@ -147,46 +147,32 @@ def test_host_staging_places_like_the_in_memory_path(store, segments, device, sh
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copies", ["early", "object", "chunk driver", "chunk torch"])
+@pytest.mark.parametrize("copies", ["object", "chunk driver", "chunk torch"])
 @pytest.mark.parametrize("verify", ["device", "none"])
 def test_read_objects_go_to_the_gpu_exactly_from_the_completion_thread(store, segments, monkeypatch, copies, verify):
-    """A forced read's bytes are copied to the GPU from the reader's completion thread: as the
-    engine reaps the chunks, all of one wake-up in one compiled driver call (``routes.EARLY_LANDINGS``;
-    rows the driver refuses leave their objects to be copied whole at landing), each object in one
-    driver copy once its last chunk has landed (``routes.OBJECT_COPIES``), or chunk by chunk as
+    """A forced read's bytes are copied to the GPU from the reader's completion thread: each object in
+    one driver copy once its last chunk has landed (``routes.OBJECT_COPIES``), or chunk by chunk as
     they land, one driver copy per chunk of page-locked tier memory (``routes.CHUNK_DRIVER_COPIES``)
     or through torch; a copy the driver refuses goes through torch. The objects and the placed cache
     are exact either way."""
     from kmesh_gpu import _launch
     from kmesh_host import routes
 
-    monkeypatch.setattr(routes, "EARLY_LANDINGS", copies == "early")
-    monkeypatch.setattr(routes, "OBJECT_COPIES", copies in ("early", "object"))
+    monkeypatch.setattr(routes, "OBJECT_COPIES", copies == "object")
     monkeypatch.setattr(routes, "CHUNK_DRIVER_COPIES", copies == "chunk driver")
     layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
     expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
     calls, real = [], _launch.copy_htod
-    early_calls, early_rows, refused, real_many = [], [], [], _launch.copies_htod
 
     def counted(*a):
         calls.append((a[0], a[2]))
         return False if len(calls) == 2 else real(*a)  # the second copy is refused: torch makes it
 
-    def counted_many(desc, count, stream):
-        early_calls.append(count)
-        # the second call's rows from the second on are refused: their objects are copied at landing
-        take = count if len(early_calls) != 2 else min(count, 1)
-        refused.append(count - take)
-        queued = real_many(desc[:take], take, stream)
-        early_rows.extend((int(d), int(n)) for d, _, n in desc[:queued])
-        return queued
-
     monkeypatch.setattr(_launch, "copy_htod", counted)
-    monkeypatch.setattr(_launch, "copies_htod", counted_many)
     tier = make_tier(store, "cuda", chunk_bytes=8192)  # several chunks per object
     for _ in range(2):
         tier.evict()
-        calls.clear(), early_calls.clear(), early_rows.clear(), refused.clear()
+        calls.clear()
         cache = layout.allocate("cuda", fill=0x7F)
         result = restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
                                       layout=layout, rope=ROPE, verify=verify)
@@ -196,20 +182,11 @@ def test_read_objects_go_to_the_gpu_exactly_from_the_completion_thread(store, se
             assert torch.equal(got.cpu(), kv)
         total = sum(h.padded_length for h in result.headers)
         lo, hi = result.buffer.data_ptr(), result.buffer.data_ptr() + result.buffer.numel()
-        calls[:] = [(dst, n) for dst, n in calls if lo <= dst < hi]  # (not the gate's upload of the stored roots)
-        if copies == "early":  # each object: all its chunks as reaped, or (rows refused) whole at landing
-            assert early_calls
-            for off, h in zip(result.offsets, result.headers):
-                start, end = lo + off, lo + off + h.padded_length
-                whole = [n for dst, n in calls if dst == start]
-                early = sum(n for dst, n in early_rows if start <= dst < end)
-                assert whole == [h.padded_length] or (whole == [] and early == h.padded_length)
-            assert not sum(refused) or calls  # the refused rows' objects went whole
-        elif copies == "object":  # one per object (the refused one included: torch copied it)
-            assert sorted(n for _, n in calls) == sorted(h.padded_length for h in result.headers)
-            assert early_calls == []
+        calls[:] = [n for dst, n in calls if lo <= dst < hi]  # (not the gate's upload of the stored roots)
+        if copies == "object":  # one per object (the refused one included: torch copied it)
+            assert sorted(calls) == sorted(h.padded_length for h in result.headers)
         elif copies == "chunk driver":  # every chunk of every object, once
-            assert len(calls) > len(segments) and sum(n for _, n in calls) == total
+            assert len(calls) > len(segments) and sum(calls) == total
         else:
             assert calls == []
     tier.close()
@@ -473,8 +450,7 @@ def check_issue_order(log, n_objects, *, digests):
     assert log[-1] == ("join",) and place < len(log) - 1 and not any(e[0] == "fence waited" for e in log)
 
 
-@pytest.mark.parametrize("early", [True, False])
-def test_forced_read_issue_order(store, segments, recorded, monkeypatch, early):
+def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu")
     # Page-cache reads of small files can finish before this thread reaches the preparation; on the
@@ -487,19 +463,14 @@ def test_forced_read_issue_order(store, segments, recorded, monkeypatch, early):
         preparing.set()
         return recorded_prepare(*a, **k)
 
-    def start_loads(keys, *, on_done, on_landed=None, **kw):
+    def start_loads(keys, *, on_done, **kw):
         def held(*args):
             preparing.wait(10)
             return on_done(*args)
-
-        def landed_held(*args):  # the early copies and digests too (routes.EARLY_LANDINGS)
-            preparing.wait(10)
-            return on_landed(*args)
-        return real_start(keys, on_done=held, on_landed=on_landed and landed_held, **kw)
+        return real_start(keys, on_done=held, **kw)
 
     monkeypatch.setattr(routes_mod, "prepare_place_many", prepare)
     monkeypatch.setattr(tier, "start_loads", start_loads)
-    monkeypatch.setattr(routes_mod, "EARLY_LANDINGS", early)
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.placed and result.report.tier_sources == {"read": 3}
@@ -516,9 +487,8 @@ def test_landings_are_copied_fenced_and_hashed_per_group(store, segments, record
     one copy event per group of landings the engine reports (``on_batch``), and what no group took
     is taken by the restoring thread once every load has settled; each object as it lands
     otherwise. Every object is copied once, every copy is fenced and waited for before its digest
-    and the placement, and the cache is exact. (Copies at landing: ``EARLY_LANDINGS`` off.)"""
+    and the placement, and the cache is exact."""
     monkeypatch.setattr(routes_mod, "BATCH_LANDINGS", batch)
-    monkeypatch.setattr(routes_mod, "EARLY_LANDINGS", False)
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu", io_engine="threads")
     if not hook:  # the engine reports no groups: the restoring thread takes every landing at the end
@@ -540,53 +510,6 @@ def test_landings_are_copied_fenced_and_hashed_per_group(store, segments, record
     assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
     assert tier.pool.in_use_bytes == tier.resident_bytes
     tier.close()
-
-
-@pytest.mark.parametrize("engine", ["threads", "io_uring"])
-@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
-def test_early_landings_copy_as_reaped_and_hash_each_object_once(store, segments, monkeypatch, engine, chunk_bytes):
-    """``routes.EARLY_LANDINGS``: chunk bytes are copied as the engine reaps them (before the
-    landings' bookkeeping) and each object is hashed once, as soon as its chunks are all copied;
-    its landing then queues neither a copy nor a digest. The cache is exact, every lease is
-    released, and the tier entries are marked verified (the next restore trusts them); with early
-    landings off the same restore gives the same bits."""
-    if engine == "io_uring" and not uring.available()[0]:
-        engine = "threads"
-    hashed, copies = [], []
-    real_digests, real_copy = kmesh_gpu.tree_digests, routes_mod._copy_into
-
-    def digests(data, offsets, lengths, **k):
-        hashed.extend(offsets)
-        return real_digests(data, offsets, lengths, **k)
-
-    monkeypatch.setattr(kmesh_gpu, "tree_digests", digests)
-    monkeypatch.setattr(routes_mod, "_copy_into", lambda *a, **k: (copies.append(a[1]), real_copy(*a, **k)))
-    caches = {}
-    for early in (True, False):
-        monkeypatch.setattr(routes_mod, "EARLY_LANDINGS", early)
-        monkeypatch.setattr(routes_mod, "TRACE", [])
-        hashed.clear(), copies.clear()
-        layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
-        tier = make_tier(store, "cpu", io_engine=engine, retain=True, chunk_bytes=chunk_bytes)
-        result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
-                                      layout=layout, rope=ROPE)
-        assert result.report.tier_sources == {"read": 3}
-        assert result.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
-        assert sorted(hashed) == sorted(result.offsets)  # each object hashed once
-        steps = [step for step, _ in routes_mod.TRACE]
-        if early:
-            assert copies == [] and "objects copied and hashed as reaped" in steps
-        else:
-            assert sorted(copies) == sorted(result.offsets) and "objects copied and hashed as reaped" not in steps
-        assert tier.pool.in_use_bytes == tier.resident_bytes
-        trusted = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier)
-        [(how, count)] = trusted.report.verified.items()
-        assert count == 3 and how.startswith("trusted: device kmesh-tree-sha256 root of a copy of this buffer")
-        caches[early] = cache
-        tier.close()
-    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
-    assert torch.equal(caches[True].view(torch.uint8), expect.view(torch.uint8))
-    assert torch.equal(caches[False].view(torch.uint8), expect.view(torch.uint8))
 
 
 @pytest.mark.parametrize("engine", ["threads", "io_uring"])
@@ -873,10 +796,10 @@ def test_read_error_mid_pipeline_places_nothing_and_leaks_nothing(store, segment
             def pread_into(self, view, offset):
                 return failing(self._f, view, offset)
 
-        def chunk(self, file, buffer, base, a, b, file_offset, done, after=None, **early):
+        def chunk(self, file, buffer, base, a, b, file_offset, done, after=None):
             if file.path == bad_path and file_offset >= 8192:
                 file = BadFile(file)
-            return real_chunk(self, file, buffer, base, a, b, file_offset, done, after, **early)
+            return real_chunk(self, file, buffer, base, a, b, file_offset, done, after)
 
         monkeypatch.setattr(ReadEngine, "_read", chunk)
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)

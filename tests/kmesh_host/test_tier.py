@@ -540,45 +540,6 @@ def test_start_loads_streams_every_object_and_leases_it(store, keys):
     tier.close()
 
 
-@pytest.mark.parametrize("engine", ["threads", "io_uring"])
-def test_start_loads_reports_landed_chunks_before_their_callbacks(store, keys, engine):
-    """``start_loads(on_landed=)``: ``(i, buffer, address, start, stop)`` of every chunk this call
-    reads, before that chunk's ``on_chunk``: the payload bytes ``[start, stop)`` of key ``i`` are at
-    ``address`` inside the tier's ``buffer``, and each key's spans tile its payload. Keys leased at
-    once (resident) report none."""
-    import ctypes
-
-    from kmesh_host import uring
-
-    if engine == "io_uring" and not uring.available()[0]:
-        engine = "threads"
-    tier = tier_for(store, read_threads=3, chunk_bytes=4096, io_engine=engine)
-    col, landed = Collector(len(keys)), []
-
-    def on_landed(chunks):
-        with col.lock:
-            for i, buf, address, lo, hi in chunks:
-                assert buf.address <= address and address + hi - lo <= buf.address + buf.nbytes
-                assert not col.chunks[i] or all((a, b) != (lo, hi) for a, b, _ in col.chunks[i])  # not yet called
-                landed.append((i, lo, hi, ctypes.string_at(address, hi - lo)))
-
-    tier.start_loads(keys, model_fingerprint=FP, on_chunk=col.on_chunk, on_done=col.on_done, on_landed=on_landed)
-    for i, (lease, error) in enumerate(col.wait()):
-        assert error is None
-        payload = lease.payload.numpy().tobytes()
-        spans = sorted((lo, hi, data) for j, lo, hi, data in landed if j == i)
-        assert [(lo, hi) for lo, hi, _ in spans] == sorted((lo, hi) for lo, hi, _ in col.chunks[i])
-        assert b"".join(data for _, _, data in spans) == payload and spans[0][0] == 0
-        lease.release()
-    landed.clear()
-    col = Collector(2)
-    tier.start_loads(keys[:2], model_fingerprint=FP, on_done=col.on_done, on_landed=on_landed)
-    assert [lease.source for lease, _ in col.wait()] == ["hit", "hit"] and landed == []
-    for lease, _ in col.done:
-        lease.release()
-    tier.close()
-
-
 def test_start_loads_reuses_pooled_buffers(store, keys):
     tier = tier_for(store)
     for _child in range(3):
