@@ -20,7 +20,7 @@ callbacks were done) for, round by round and order alternating, page cache dropp
 Per variant, medians over rounds (ms from the first submission): when the 1st, 4th, 8th, 12th and
 last completion was reaped, when the last callback was done, the longest wake-up (callbacks of one
 batch), the most completions reaped at once, and the callback time in all; for the route also its
-``read_s`` and ``restore_s``.
+``read_s`` and ``restore_s``, and when each of its steps (``routes.TRACE``) was stamped.
 
 Usage: PYTHONPATH=. python tools/probe_read_timeline.py [--rounds 12] [--switches GATED_PLACEMENT,...] [--out DIR]
 """
@@ -97,6 +97,7 @@ def main() -> None:
                 names = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
                 for name in names:
                     uring.TRACE = trace = []
+                    routes_mod.TRACE = steps = []
                     try:
                         if name == "raw":
                             raw.once()
@@ -108,12 +109,14 @@ def main() -> None:
                                              verify="none" if name == "unchecked" else "device")
                             extra = {"read_s_ms": got["read_s"] * 1e3, "restore_s_ms": got["restore_s"] * 1e3}
                     finally:
-                        uring.TRACE = None
+                        uring.TRACE = routes_mod.TRACE = None
                         for switch in switches:
                             setattr(routes_mod, switch, True)
                     fig = summarise(trace)
                     if r and fig is not None:  # the first round warms every path
-                        rows[name].append({**fig, **extra})
+                        t0 = next(t for kind, t, *_ in trace if kind == "submit")
+                        at = {step: (t - t0) * 1e3 for step, t in steps if t >= t0}
+                        rows[name].append({**fig, **extra, "steps": at})
         raw.close()
         engine.close()
     keys = ("landed_1_ms", "landed_4_ms", "landed_8_ms", "landed_12_ms", "landed_last_ms", "last_callback_ms",
@@ -127,6 +130,12 @@ def main() -> None:
     lines.append(f"  {'':<22}" + "".join(f"{v:>11}" for v in VARIANTS))
     for k in keys:
         lines.append(f"  {k:<22}" + "".join(f"{med[v][k]:>11.3f}" if k in med[v] else f"{'':>11}" for v in VARIANTS))
+    lines.append("  route steps after the first submission (the last stamp of each name per child; medians, ms):")
+    for v in ("route", "earlier"):
+        names = list(dict.fromkeys(k for x in rows[v] for k in x["steps"]))
+        for k in names:
+            got = [x["steps"][k] for x in rows[v] if k in x["steps"]]
+            lines.append(f"    {v:<8} {k:<58} {statistics.median(got):>8.3f}  ({len(got)} children)")
     ratios = {}
     for name in ("route", "unchecked"):
         pairs = [(a["restore_s_ms"], b["restore_s_ms"]) for a, b in zip(rows[name], rows["earlier"])]

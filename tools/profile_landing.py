@@ -10,7 +10,7 @@ thread, rows with no calls left out (nested functions are inside their callers' 
 the rows), next to the whole wake-ups' time from ``kmesh_host.uring.TRACE`` and the route's step
 stamps (``routes.TRACE``, ms from the call's start, medians, with the thread that stamped).
 
-Usage: PYTHONPATH=. python tools/profile_landing.py [--children 24] [--out DIR]
+Usage: PYTHONPATH=. python tools/profile_landing.py [--children 24] [--off EARLY_LANDINGS,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def _wrap(owner, name: str, label: str) -> None:
 
 
 WRAPPED = [
+    (_launch, "copies_htod", "launch: copies_htod"),
+    (direct_io.HostBuffer, "set_fence", "direct_io: HostBuffer.set_fence"),
     (direct_io, "_chunk_done", "engine: _chunk_done (a chunk's whole callback)"),
     (tier_mod._PipelinedLoad, "_chunk", "tier: _PipelinedLoad._chunk"),
     (tier_mod._PipelinedLoad, "_finish", "tier: _PipelinedLoad._finish (an object's whole landing)"),
@@ -80,7 +82,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--children", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--off", default="", help="kmesh_host.routes switches to turn off (comma separated)")
     args = ap.parse_args()
+    for switch in filter(None, (x.strip().upper() for x in args.off.split(","))):
+        if not isinstance(getattr(routes, switch, None), bool):
+            sys.exit(f"kmesh_host.routes has no switch {switch}")
+        setattr(routes, switch, False)
     device = torch.device("cuda")
     for owner, name, label in WRAPPED:
         _wrap(owner, name, label)
@@ -131,7 +138,8 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "profile_landing.txt").write_text(text + "\n")
+        name = "profile_landing" + (f"_off_{args.off.replace(',', '_')}" if args.off else "")
+        (Path(args.out) / f"{name}.txt").write_text(text + "\n")
 
 
 if __name__ == "__main__":
