@@ -597,6 +597,10 @@ GATED_PLACEMENT = True
 #: ``True``: objects that land together (the engine reports a group of completions at once) are
 #: copied, fenced and hashed together: one event, one digest launch; ``False``: each as it lands
 BATCH_LANDINGS = True
+#: ``True``: a child's reads are queued as soon as its headers are read, before its staging buffer,
+#: streams, verifier and report are made (landings before those exist wait, parked); ``False``: after
+#: them (comparisons, ``tools/probe_read_timeline.py --switches READS_FIRST``)
+READS_FIRST = True
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -655,130 +659,21 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
         keys = [t.key for t in targets]
-        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
-        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
-        # the first object's copy, before anything else is arranged.
-        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
-            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
-        if ready is not None:
-            leases[:], rows = ready
-            _stamp("leased")
-            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            base = buffer.data_ptr()
-            _stamp("staging allocated")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], _raw_stream(index)))
-            _stamp("first copy queued")
-            headers = [lease.header for lease in leases]
-            lean, streams = True, _CallerStream(device)
-        else:
-            # Resident objects are leased here, on this thread: no read and no thread hop.
-            leases[:] = tier.acquire_resident_many(keys, model_fingerprint=model_fingerprint)
-            headers = [lease.header if lease is not None else store.read_header(t.key)
-                       for lease, t in zip(leases, targets)]
-            for lease, h in zip(leases, headers):
-                if lease is None:  # resident ones were checked when leased
-                    check_fingerprint(h, model_fingerprint)
-            _stamp("leased")
-            offsets, total = _layout_offsets(headers)
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            base = buffer.data_ptr()
-            _stamp("staging allocated")
-            # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
-            # digests of several objects run side by side on separate streams, so they keep _Streams
-            lean = device.type == "cuda" and all(
-                lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
-            streams = _CallerStream(device) if lean else _Streams(device)
-            early = 0  # objects whose copy is already queued
-            if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
-                addr, pinned = leases[0].payload_memory()
-                early = int(pinned and _driver.copy_htod(base + offsets[0], addr, headers[0].padded_length,
-                                                         streams.copy_handle()))
-            _stamp("first copy queued")
-        # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
-        resident = [i for i in range(n) if leases[i] is not None]
-        resident_event = None
-        if resident:
-            handle = streams.copy_handle()
-            with streams.on_copy():
-                # pinned payloads: the driver's copies, all in one compiled call where it serves
-                # (torch's copy_ costs several times more); the others (and any the driver
-                # refused) through torch, in order after them
-                rows = []
-                if handle is not None:
-                    for i in resident[early:]:
-                        addr, pinned = leases[i].payload_memory()
-                        if not pinned:
-                            break
-                        rows.append((base + offsets[i], addr, headers[i].padded_length))
-                queued = early + (_driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), handle)
-                                  if rows else 0)
-                for i in resident[queued:]:
-                    off, nbytes = offsets[i], headers[i].padded_length
-                    buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)
-            resident_event = streams.copied()  # one event fences every resident buffer
-            _stamp("resident copies issued")
-            for i in resident:
-                leases[i].fence(resident_event)
-        # (checks that need no data come after the copies: the DMA is running meanwhile)
-        if cache is not None:
-            _check_placement(targets, headers, rope)
-        placing = dict(cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend, streams=streams)
-        if lean:  # nothing to read or check: prepare, launch, then the bookkeeping while the GPU works
-            placement = None
-            tp = time.perf_counter()
-            placed = cache is not None and _place_now(buffer, offsets, targets, headers, **placing)
-            if placed:
-                prepare_s = time.perf_counter() - tp
-                _stamp("placement launched")
-            else:
-                placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
-                if placement is not None:
-                    placement.run()
-                    _stamp("placement launched")
-            report = _new_report(device, engine)
-            report.placed = placed or placement is not None
-            # every object trusted (or not to be checked): no digest, so no root tables (objects=0)
-            verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=0)
-            for i in range(n):
-                sources["hit"] = sources.get("hit", 0) + 1
-                report.bytes_moved += headers[i].padded_length
-                verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
-                # every copy from the tier's buffers is queued and fenced (resident_event): the
-                # leases can go before the wait (a buffer is reused only after its fence)
-                leases[i].release()
-                leases[i] = None
-            verify_s = 0.0
-            result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
-            _stamp("bookkept")
-            streams.sync()
-            _stamp("synced")
-            return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
-                                  read_start, read_end, verify_s, prepare_s, t0)
-        report = _new_report(device, engine)
-        _stamp("report made")
-        # 2. Missing objects: every chunk of every one is queued on the tier's reader now, in order;
-        # the thread that finishes an object (the tier reports it done after all its chunk
-        # callbacks returned) queues its copy at once (`land`), and after each group of landings the
-        # reader reports together it fences them and queues their digest (`flush`), while the other
-        # reads go on: no hop to this thread sits between an object's last byte and its digest.
-        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=n)
-        _stamp("placement checked")
+        # The reading side. Its callbacks name the staging buffer, streams, verifier and report
+        # made further down: with ``READS_FIRST`` the reads start before those exist (right after
+        # the headers are read), and a landing that comes before they do is parked until this
+        # thread arms the landings; otherwise the reads start once they exist, armed.
         failures: list = []
-        missing = [i for i in range(n) if leases[i] is None]
-        read_start = time.perf_counter()
-
-        # A read object's bytes go to the GPU in one driver copy from the completion thread once its
-        # last chunk has landed (``OBJECT_COPIES``), or chunk by chunk as they land (``on_chunk``).
-        copy_handle = streams.copy_handle() if tier.pool.pin and (OBJECT_COPIES or CHUNK_DRIVER_COPIES) else None
+        missing: list = []  # indices of the objects read (not resident)
         per_chunk = not OBJECT_COPIES
-
         arrived: list = []  # (i, lease) of objects landed whose copies and digests are not queued yet
+        armed: list = []  # set once landings can be copied, hashed and reported (lock held)
+        parked: list = []  # (i, lease, when) of landings before that
+        reads_started = False
 
         def land(i: int, lease, when: float) -> None:
-            """Object ``i``'s load finished (lock held): its checks and bookkeeping; :func:`flush`
-            queues its copy (unless made chunk by chunk) and digest."""
+            """Object ``i``'s load finished (lock held, armed): its checks and bookkeeping;
+            :func:`flush` queues its copy (unless made chunk by chunk) and digest."""
             nonlocal read_end
             header = headers[i]
             if lease.header.sha256 != header.sha256:
@@ -820,51 +715,197 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
 
         def on_batch() -> None:
             with land_lock:
+                if not armed:
+                    return
                 try:
                     flush()
                 except BaseException as exc:
                     failures.append(exc)
 
-        if missing:
-            all_settled = threading.Event()
-            pending = len(missing)
-
-            # With ``per_chunk`` each chunk's copy is queued from the engine's completion thread as
-            # the chunk lands: one driver call where the tier's buffers are page-locked (a copy
-            # through torch, under a stream context, made that thread slow enough to hold back the
-            # reads themselves: tools/probe_read_factors.py), torch's copy otherwise.
+        def on_chunk(j, chunk, lo, hi):
+            # With ``per_chunk`` (never with ``READS_FIRST``) each chunk's copy is queued from the
+            # engine's completion thread as the chunk lands: one driver call where the tier's
+            # buffers are page-locked (a copy through torch, under a stream context, made that
+            # thread slow enough to hold back the reads themselves: tools/probe_read_factors.py),
+            # torch's copy otherwise.
+            if stopped:
+                return
+            off = offsets[missing[j]]
             chunk_handle = copy_handle if CHUNK_DRIVER_COPIES else None
+            if chunk_handle is not None and _driver.copy_htod(base + off + lo, chunk.data_ptr(), chunk.numel(),
+                                                              chunk_handle):
+                return
+            with streams.on_copy():  # a raise here fails that object's load (on_done gets it)
+                buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
 
-            def on_chunk(j, chunk, lo, hi):
-                if stopped:
-                    return
-                off = offsets[missing[j]]
-                if chunk_handle is not None and _driver.copy_htod(base + off + lo, chunk.data_ptr(), chunk.numel(),
-                                                                  chunk_handle):
-                    return
-                with streams.on_copy():  # a raise here fails that object's load (on_done gets it)
-                    buffer[off + lo: off + hi].copy_(chunk, non_blocking=True)
-
-            def on_done(j, lease, error):
-                when = time.perf_counter()
-                i = missing[j]
-                with land_lock:
-                    if error is not None:
-                        failures.append(error)
-                        stopped.append(True)
-                    elif not stopped and not failures:
+        def on_done(j, lease, error):
+            when = time.perf_counter()
+            i = missing[j]
+            with land_lock:
+                if error is not None:
+                    failures.append(error)
+                    stopped.append(True)
+                elif not stopped and not failures:
+                    if not armed:
+                        parked.append((i, lease, when))
+                    else:
                         try:
                             land(i, lease, when)
                         except BaseException as exc:
                             failures.append(exc)
-                    settled.append((i, lease, error))
-                    last = len(settled) == len(missing)
-                if last:
-                    all_settled.set()
+                settled.append((i, lease, error))
+                last = len(settled) == len(missing)
+            if last:
+                all_settled.set()
 
+        def start_reads() -> None:
+            """Every chunk of every missing object queued on the tier's reader, in order."""
+            nonlocal read_start, all_settled, pending, reads_started
+            read_start = time.perf_counter()
+            all_settled = threading.Event()
+            pending = len(missing)
+            reads_started = True
             tier.start_loads([targets[i].key for i in missing], model_fingerprint=model_fingerprint,
                              headers=[headers[i] for i in missing], on_chunk=on_chunk if per_chunk else None,
                              on_done=on_done, on_batch=on_batch if BATCH_LANDINGS else None)
+            _stamp("reads queued")
+
+        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
+        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
+        # the first object's copy, before anything else is arranged.
+        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
+            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
+        if ready is not None:
+            leases[:], rows = ready
+            _stamp("leased")
+            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], _raw_stream(index)))
+            _stamp("first copy queued")
+            headers = [lease.header for lease in leases]
+            lean, streams = True, _CallerStream(device)
+        else:
+            # Resident objects are leased here, on this thread: no read and no thread hop.
+            leases[:] = tier.acquire_resident_many(keys, model_fingerprint=model_fingerprint)
+            headers = [lease.header if lease is not None else store.read_header(t.key)
+                       for lease, t in zip(leases, targets)]
+            for lease, h in zip(leases, headers):
+                if lease is None:  # resident ones were checked when leased
+                    check_fingerprint(h, model_fingerprint)
+            _stamp("leased")
+            offsets, total = _layout_offsets(headers)
+            missing[:] = [i for i in range(n) if leases[i] is None]
+            if READS_FIRST and missing and not per_chunk:
+                # the reads go out now, before the staging buffer, streams and checks below are made
+                # (landings until then are parked); a placement that cannot work costs no read
+                if cache is not None:
+                    _check_placement(targets, headers, rope)
+                start_reads()
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            # nothing to read and nothing to hash (all trusted): nothing to overlap, one stream serves;
+            # digests of several objects run side by side on separate streams, so they keep _Streams
+            lean = device.type == "cuda" and all(
+                lease is not None and (verify == "none" or (trust_verified and lease.verified)) for lease in leases)
+            streams = _CallerStream(device) if lean else _Streams(device)
+            early = 0  # objects whose copy is already queued
+            if lean and n:  # the DMA starts with the first object's copy, before the others' are arranged
+                addr, pinned = leases[0].payload_memory()
+                early = int(pinned and _driver.copy_htod(base + offsets[0], addr, headers[0].padded_length,
+                                                         streams.copy_handle()))
+            _stamp("first copy queued")
+        # 1. Resident objects: their copies go first, so the DMA runs while everything below is done.
+        resident = [i for i in range(n) if leases[i] is not None]
+        resident_event = None
+        if resident:
+            handle = streams.copy_handle()
+            with streams.on_copy():
+                # pinned payloads: the driver's copies, all in one compiled call where it serves
+                # (torch's copy_ costs several times more); the others (and any the driver
+                # refused) through torch, in order after them
+                rows = []
+                if handle is not None:
+                    for i in resident[early:]:
+                        addr, pinned = leases[i].payload_memory()
+                        if not pinned:
+                            break
+                        rows.append((base + offsets[i], addr, headers[i].padded_length))
+                queued = early + (_driver.copies_htod(np.array(rows, dtype=np.int64), len(rows), handle)
+                                  if rows else 0)
+                for i in resident[queued:]:
+                    off, nbytes = offsets[i], headers[i].padded_length
+                    buffer[off: off + nbytes].copy_(leases[i].payload, non_blocking=True)
+            resident_event = streams.copied()  # one event fences every resident buffer
+            _stamp("resident copies issued")
+            for i in resident:
+                leases[i].fence(resident_event)
+        # (checks that need no data come after the copies: the DMA is running meanwhile)
+        if cache is not None and not reads_started:
+            _check_placement(targets, headers, rope)
+        placing = dict(cache=cache, layout=layout, rope=rope, k_scale=k_scale, backend=backend, streams=streams)
+        if lean:  # nothing to read or check: prepare, launch, then the bookkeeping while the GPU works
+            placement = None
+            tp = time.perf_counter()
+            placed = cache is not None and _place_now(buffer, offsets, targets, headers, **placing)
+            if placed:
+                prepare_s = time.perf_counter() - tp
+                _stamp("placement launched")
+            else:
+                placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
+                if placement is not None:
+                    placement.run()
+                    _stamp("placement launched")
+            report = _new_report(device, engine)
+            report.placed = placed or placement is not None
+            # every object trusted (or not to be checked): no digest, so no root tables (objects=0)
+            verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=0)
+            for i in range(n):
+                sources["hit"] = sources.get("hit", 0) + 1
+                report.bytes_moved += headers[i].padded_length
+                verifier.landed(offsets[i], headers[i], lease=leases[i], event=resident_event)
+                # every copy from the tier's buffers is queued and fenced (resident_event): the
+                # leases can go before the wait (a buffer is reused only after its fence)
+                leases[i].release()
+                leases[i] = None
+            verify_s = 0.0
+            result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
+            _stamp("bookkept")
+            streams.sync()
+            _stamp("synced")
+            return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,
+                                  read_start, read_end, verify_s, prepare_s, t0)
+        report = _new_report(device, engine)
+        _stamp("report made")
+        # 2. Missing objects: every chunk of every one is queued on the tier's reader (here, or
+        # already after the headers with READS_FIRST), in order; the thread that finishes an object
+        # (the tier reports it done after all its chunk callbacks returned) queues its copy at once
+        # (`land`), and after each group of landings the reader reports together it fences them and
+        # queues their digest (`flush`), while the other reads go on: no hop to this thread sits
+        # between an object's last byte and its digest.
+        verifier = _Verifier(verify, buffer, hash_backend, streams, trust_verified=trust_verified, objects=n)
+        _stamp("placement checked")
+        # A read object's bytes go to the GPU in one driver copy from the completion thread once its
+        # last chunk has landed (``OBJECT_COPIES``), or chunk by chunk as they land (``on_chunk``).
+        copy_handle = streams.copy_handle() if tier.pool.pin and (OBJECT_COPIES or CHUNK_DRIVER_COPIES) else None
+        if reads_started:  # landings that came before this point were parked: take them now
+            with land_lock:
+                armed.append(True)
+                try:
+                    if not (stopped or failures):
+                        for i, lease, when in parked:
+                            land(i, lease, when)
+                        flush()
+                    parked.clear()  # (their leases are in `settled`: released with the others)
+                except BaseException as exc:
+                    failures.append(exc)
+            _stamp("landings armed")
+        elif missing:
+            armed.append(True)
+            start_reads()
         # 3. While the bytes move: the placement (validation and launch tables).
         placement, prepare_s = _timed_placement(buffer, offsets, targets, headers, **placing)
         if resident:

@@ -290,6 +290,86 @@ def test_placement_arguments_are_checked(store, segments):
                              tier=tier, cache=cache, layout=layout)
     with pytest.raises(kmesh_gpu.LayoutError):
         restore_host_staging(store, [], model_fingerprint=FP, device="cpu", tier=tier)
+    assert tier.stats["reads"] == 0 and tier.pool.in_use_bytes == 0  # refused before any read went out
+    tier.close()
+
+
+@pytest.mark.parametrize("reads_first", [True, False])
+def test_reads_go_out_before_the_staging_buffer_and_early_landings_wait(store, segments, monkeypatch,
+                                                                        reads_first):
+    """``routes.READS_FIRST``: a forced read's chunks are queued right after its headers, before the
+    staging buffer, streams and verifier are made. A load that completes before those exist (here:
+    every load, ``start_loads`` returns only once they all have) is parked and landed when this
+    thread arms the landings: copied, hashed once, placed exactly, its lease released. Off: the
+    reads go out after those are made, as before."""
+    monkeypatch.setattr(routes_mod, "READS_FIRST", reads_first)
+    monkeypatch.setattr(routes_mod, "TRACE", [])
+    hashed, real_digests = [], kmesh_gpu.tree_digests
+
+    def digests(data, offsets, lengths, **k):
+        hashed.extend(offsets)
+        return real_digests(data, offsets, lengths, **k)
+
+    monkeypatch.setattr(kmesh_gpu, "tree_digests", digests)
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    tier = make_tier(store, "cpu", retain=True)
+    real_start = tier.start_loads
+
+    def start_loads(keys, *, on_done, **kw):  # returns once every load has been reported
+        done = threading.Semaphore(0)
+
+        def reported(*args):
+            on_done(*args)
+            done.release()
+        real_start(keys, on_done=reported, **kw)
+        for _ in keys:
+            assert done.acquire(timeout=30)
+
+    monkeypatch.setattr(tier, "start_loads", start_loads)
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    steps = [step for step, _ in routes_mod.TRACE]
+    assert result.report.tier_sources == {"read": 3} and result.report.placed
+    assert result.report.verified == {"device kmesh-tree-sha256 root (this call)": 3}
+    assert sorted(hashed) == sorted(result.offsets)
+    if reads_first:
+        assert steps.index("reads queued") < steps.index("staging allocated") < steps.index("landings armed")
+    else:
+        assert steps.index("staging allocated") < steps.index("reads queued") and "landings armed" not in steps
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    assert tier.pool.in_use_bytes == tier.resident_bytes
+    tier.close()
+
+
+def test_a_failure_after_the_reads_went_out_releases_every_lease(store, segments, monkeypatch):
+    """With ``routes.READS_FIRST`` the reads are in flight while the staging side is made: a failure
+    there (the verifier refused, here) fails the restore with that error after every load has
+    settled, nothing is placed, every lease is released, and the next restore is exact."""
+    monkeypatch.setattr(routes_mod, "READS_FIRST", True)
+    real_init = routes_mod._Verifier.__init__
+    calls = []
+
+    def refusing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("verifier refused: injected")
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(routes_mod._Verifier, "__init__", refusing)
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    before = cache.clone()
+    tier = make_tier(store, "cpu", retain=True)
+    with pytest.raises(RuntimeError, match="injected"):
+        restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                             layout=layout, rope=ROPE)
+    assert torch.equal(cache, before)
+    assert tier.in_flight() == 0 and tier.pool.in_use_bytes == tier.resident_bytes
+    result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
+                                  layout=layout, rope=ROPE)
+    assert result.report.placed
+    expect = reference_cache(segments, targets, layout, "cpu", rope=ROPE)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
     tier.close()
 
 
