@@ -15,7 +15,6 @@ need cold reads then drop the file's cached pages with ``posix_fadvise(DONTNEED)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
@@ -341,12 +340,6 @@ class ReadEngine:
                 done(0, exc if isinstance(exc, StorageError) else
                      StorageError(f"segment {label}: read at {start + a} could not be queued: {exc}"))
         return len(chunks)
-
-    def batch(self):
-        """A context in which the reads queued (:meth:`start`, :meth:`submit`) go to the kernel
-        together as it ends, in one system call with io_uring (:meth:`UringReader.plug`); on the
-        thread pool each read starts as it is queued, as outside."""
-        return self._uring.plug() if self._uring is not None else contextlib.nullcontext()
 
     def read(self, file: DirectFile, offset: int, length: int, buffer: memoryview, *, name: str = "") -> memoryview:
         """Blocking :meth:`submit`; returns the view of exactly the requested bytes."""

@@ -29,7 +29,6 @@ recorded with :meth:`HostLease.fence`, and the buffer is reused or freed only af
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -46,11 +45,6 @@ from .direct_io import ENGINES, DirectFile, HostBuffer, ReadEngine, round_up
 from .segment import ModelFingerprint, SegmentHeader, check_fingerprint, check_payload
 from .singleflight import SingleFlight
 from .store import SegmentStore
-
-#: ``True``: the chunk reads of one ``start_loads`` call go to the kernel in one system call
-#: (``ReadEngine.batch``); ``False``: each as it is queued (comparisons,
-#: ``tools/probe_read_timeline.py --switches BATCH_SUBMIT``, which looks for it here too)
-BATCH_SUBMIT = True
 
 
 @dataclass(frozen=True)
@@ -488,9 +482,8 @@ class HostTier:
                 if call is not None:
                     self._flight.settle(key, call, error=exc)
                 on_done(i, None, exc)
-        with self._engine.batch() if BATCH_SUBMIT else contextlib.nullcontext():  # one system call for all
-            for load in loads:
-                load.submit()  # a chunk the engine refuses to queue is reported as that chunk's error
+        for load in loads:
+            load.submit()  # a chunk the engine refuses to queue is reported as that chunk's error
 
     def _join(self, i: int, key: str, fingerprint: ModelFingerprint, on_chunk, on_done) -> None:
         """:meth:`acquire` on a loader thread, reported through ``on_done``."""

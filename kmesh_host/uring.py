@@ -18,7 +18,6 @@ submission entries, 16-byte completion entries.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import errno
 import mmap
@@ -247,7 +246,6 @@ class UringReader:
         self._backlog: collections.deque = collections.deque()
         self._next = 1
         self._stopping = False
-        self._plugged = 0  # plug() depth: reads are written to the ring but not handed over yet
         self.callback_errors: list[BaseException] = []
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._reap, name="kmesh-uring", daemon=True)
@@ -276,27 +274,12 @@ class UringReader:
             self._ops[ud] = op
             ring.put(OP_READ, op.fd, op.offset + op.done, op.address + op.done, op.length - op.done, ud)
             moved = True
-        if (moved or ring._pending or ring._unsubmitted) and not self._plugged:
+        if moved or ring._unsubmitted:
             rc = ring.submit()
             if rc < 0:  # ring sizes rule out a full completion queue; anything else is a broken ring
                 raise OSError(-rc, f"io_uring_enter: {os.strerror(-rc)}")
             if TRACE is not None:
                 TRACE.append(("submit", time.perf_counter(), rc))
-
-    @contextlib.contextmanager
-    def plug(self):
-        """Reads queued inside go to the kernel together, in one ``io_uring_enter`` as the
-        outermost ``plug`` ends (each :meth:`read` otherwise submits its own): a caller queueing
-        many reads at once hands them over after one system call rather than one each."""
-        with self._lock:
-            self._plugged += 1
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._plugged -= 1
-                if not self._plugged:
-                    self._fill()
 
     def _reap(self) -> None:
         ring = self.ring

@@ -15,8 +15,7 @@ callbacks were done) for, round by round and order alternating, page cache dropp
 * ``earlier``: the route with each chunk copied as it lands (``routes.OBJECT_COPIES`` off), each
   object hashed by its own launch as it lands (``routes.BATCH_LANDINGS`` off) and the placement
   launched after the host's root comparison (``routes.GATED_PLACEMENT`` off), as before this probe;
-  ``--switches`` names a subset to turn off instead (switches of ``kmesh_host.routes`` or
-  ``kmesh_host.tier``).
+  ``--switches`` names a subset to turn off instead.
 
 Per variant, medians over rounds (ms from the first submission): when the 1st, 4th, 8th, 12th and
 last completion was reaped, when the last callback was done, the longest wake-up (callbacks of one
@@ -44,7 +43,6 @@ from probe_read_factors import Reader  # noqa: E402
 
 from kmesh_host import HostTier, uring  # noqa: E402
 from kmesh_host import routes as routes_mod  # noqa: E402
-from kmesh_host import tier as tier_mod  # noqa: E402
 from kmesh_host.direct_io import ReadEngine  # noqa: E402
 
 VARIANTS = ("raw", "route", "unchecked", "earlier")
@@ -81,11 +79,9 @@ def main() -> None:
                     help="the kmesh_host.routes switches the 'earlier' variant turns off (default: all of them)")
     args = ap.parse_args()
     switches = [x.strip().upper() for x in args.switches.split(",") if x.strip()]
-    owner = {}  # switch -> the module holding it (kmesh_host.routes or kmesh_host.tier)
     for switch in switches:
-        owner[switch] = next((m for m in (routes_mod, tier_mod) if isinstance(getattr(m, switch, None), bool)), None)
-        if owner[switch] is None:
-            sys.exit(f"neither kmesh_host.routes nor kmesh_host.tier has a switch {switch}")
+        if not isinstance(getattr(routes_mod, switch, None), bool):
+            sys.exit(f"kmesh_host.routes has no switch {switch}")
     device = torch.device("cuda")
     if not uring.available()[0]:
         sys.exit(f"io_uring is not available here: {uring.available()[1]}")
@@ -108,14 +104,14 @@ def main() -> None:
                             extra = {}
                         else:
                             for switch in switches:
-                                setattr(owner[switch], switch, name != "earlier")
+                                setattr(routes_mod, switch, name != "earlier")
                             got = work.child("host_staging", r % 4, tier, evict=True,
                                              verify="none" if name == "unchecked" else "device")
                             extra = {"read_s_ms": got["read_s"] * 1e3, "restore_s_ms": got["restore_s"] * 1e3}
                     finally:
                         uring.TRACE = routes_mod.TRACE = None
                         for switch in switches:
-                            setattr(owner[switch], switch, True)
+                            setattr(routes_mod, switch, True)
                     fig = summarise(trace)
                     if r and fig is not None:  # the first round warms every path
                         t0 = next(t for kind, t, *_ in trace if kind == "submit")

@@ -242,32 +242,3 @@ def test_io_uring_after_hook_failure_does_not_stop_the_reader(data_file):
         assert ok.wait(10)
         assert bytes(buf.view[:2 * ALIGN]) == data[:2 * ALIGN]
     assert ran == [ALIGN, ALIGN] and any(isinstance(e, ValueError) for e in reader.callback_errors)
-
-
-@pytest.mark.parametrize("depth", [32, 4])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_batch_hands_the_reads_over_together(data_file, engine, depth, monkeypatch):
-    """``ReadEngine.batch()``: with io_uring the chunk reads of several ranges queued inside go to
-    the kernel in one system call as the outermost batch ends (nested batches included) and none
-    before, as many as the queue depth takes (the rest follow as reads complete); every byte
-    arrives exactly. On the thread pool reads start as they are queued."""
-    path, data = data_file(10 * 4096 + 123)
-    trace = []
-    monkeypatch.setattr(uring, "TRACE", trace)
-    done = threading.Semaphore(0)
-    with DirectFile(path) as f, DirectFile(path) as g, ReadEngine(depth, 4096, engine=engine) as reader, \
-            HostBuffer(11 * 4096) as buf, HostBuffer(11 * 4096) as other:
-        with reader.batch():
-            n = reader.start(f, 0, len(data), buf.view, lambda lo, hi, err: done.release())
-            with reader.batch():
-                m = reader.start(g, 100, len(data) - 100, other.view, lambda lo, hi, err: done.release())
-            if engine == "io_uring":
-                assert [t for t in trace if t[0] == "submit"] == []  # nothing handed over yet
-        for _ in range(n + m):
-            assert done.acquire(timeout=30)
-        assert bytes(buf.view[:len(data)]) == data
-        assert bytes(other.view[100:len(data)]) == data[100:]
-    if engine == "io_uring":
-        submits = [t for t in trace if t[0] == "submit"]
-        assert n + m == 22 and submits[0][2] == min(depth, 22) and sum(t[2] for t in submits) == 22
-        assert len(submits) == 1 if depth >= 22 else len(submits) > 1
