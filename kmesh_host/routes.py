@@ -601,6 +601,37 @@ BATCH_LANDINGS = True
 #: streams, verifier and report are made (landings before those exist wait, parked); ``False``: after
 #: them (comparisons, ``tools/probe_read_timeline.py --switches READS_FIRST``)
 READS_FIRST = True
+#: ``True``: a child whose objects are all ready (``READY``) makes the staging buffer for the next
+#: such child of the same size while its own copies run (the host only waits for the device then),
+#: so the next one's first copy is queued without an allocation before it; at most
+#: ``_MAX_SPARES`` such buffers are kept, one per (device, stream); ``drop_staging_spares()``
+#: frees them. ``False``: each child allocates its own (comparisons, ``tools/ab_lane.py``)
+SPARE_STAGING = True
+_MAX_SPARES = 4
+_spares: dict = {}  # (device index, raw stream) -> an unused staging buffer, taken by the next ready child
+
+
+def _take_spare(index: int, stream: int, total: int) -> torch.Tensor | None:
+    """The spare staging buffer kept for this device and stream when it has ``total`` bytes, else
+    ``None``; either way it is no longer kept (one child takes it, a size that differs frees it)."""
+    spare = _spares.pop((index, stream), None)  # one pop: two threads cannot both take it
+    return spare if spare is not None and spare.numel() == total else None
+
+
+def _stock_spare(device: torch.device, index: int, stream: int, total: int) -> None:
+    """Keep a fresh staging buffer of ``total`` bytes for the next ready child on this device and
+    stream (allocated on that stream, which the caching allocator ties it to)."""
+    if (index, stream) not in _spares and len(_spares) < _MAX_SPARES:
+        _spares[(index, stream)] = torch.empty(total, dtype=torch.uint8, device=device)
+
+
+def drop_staging_spares() -> int:
+    """Free the spare staging buffers (``SPARE_STAGING``); returns how many were kept."""
+    n = len(_spares)
+    _spares.clear()
+    return n
+
+
 #: ``True``: the root comparison waits for every digest stream joined into the work stream (the
 #: arrangement before each root's own download event; ``tools/probe_forced_read_tail.py --ab``)
 JOIN_BEFORE_COMPARE = False
@@ -659,6 +690,26 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
         keys = [t.key for t in targets]
+        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
+        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
+        # the first object's copy, before anything else is arranged (the reading side's callbacks
+        # below included), into a staging buffer made while the previous such child's copies ran
+        # where one is kept (``SPARE_STAGING``).
+        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
+            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
+        if ready is not None:
+            leases[:], rows = ready
+            _stamp("leased")
+            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = _raw_stream(index)
+            buffer = _take_spare(index, stream, total) if SPARE_STAGING else None
+            if buffer is None:
+                buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], stream))
+            _stamp("first copy queued")
         # The reading side. Its callbacks name the staging buffer, streams, verifier and report
         # made further down: with ``READS_FIRST`` the reads start before those exist (right after
         # the headers are read), and a landing that comes before they do is parked until this
@@ -770,21 +821,7 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                              on_done=on_done, on_batch=on_batch if BATCH_LANDINGS else None)
             _stamp("reads queued")
 
-        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
-        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
-        # the first object's copy, before anything else is arranged.
-        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
-            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
         if ready is not None:
-            leases[:], rows = ready
-            _stamp("leased")
-            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            base = buffer.data_ptr()
-            _stamp("staging allocated")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], _raw_stream(index)))
-            _stamp("first copy queued")
             headers = [lease.header for lease in leases]
             lean, streams = True, _CallerStream(device)
         else:
@@ -874,6 +911,8 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
             verify_s = 0.0
             result = RestoreResult(report, buffer, offsets, headers, placement and placement.kvs)
             _stamp("bookkept")
+            if ready is not None and SPARE_STAGING:  # the host waits for the device below anyway
+                _stock_spare(device, index, stream, total)
             streams.sync()
             _stamp("synced")
             return _finish_report(result, tier, sources, o_direct_flags, io_notes, verifier, engine, device, landed,

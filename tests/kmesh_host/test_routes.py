@@ -1101,3 +1101,77 @@ def test_resident_child_places_exactly_in_one_call_or_in_steps(store, segments, 
             assert torch.equal(got.cpu(), kv)
     assert launched == {"one call": [True] * 3, "declined": [False] * 3, "in steps": []}[case]
     tier.close()
+
+
+@pytest.mark.gpu
+def test_ready_child_takes_the_spare_staging_buffer_of_its_stream_and_size(store, segments, monkeypatch):
+    """``routes.SPARE_STAGING``: a ready child (every object resident, pinned, trusted) leaves a fresh
+    staging buffer of its size for the next one on the same device and stream, which takes it (its
+    result lives in that very buffer) and leaves another. A child on another stream, or of another
+    size, does not take it. Every result equals the in-memory path and the objects read; with the
+    switch off nothing is kept; ``drop_staging_spares`` frees what is."""
+    from kmesh_host import routes
+
+    monkeypatch.setattr(routes, "_spares", {})
+    layout, cache, targets = cache_and_targets(segments, "cuda", shifted=True)
+    tier = make_tier(store, "cuda", retain=True)
+    restore_host_staging(store, targets, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                         layout=layout, rope=ROPE)  # reads: the general start keeps no spare
+    assert routes._spares == {}
+    expect = reference_cache(segments, targets, layout, "cuda", rope=ROPE)
+
+    def child(tgts=targets, stream=None):
+        cache = layout.allocate("cuda", fill=0x7F)
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            result = restore_host_staging(store, tgts, model_fingerprint=FP, device="cuda", tier=tier, cache=cache,
+                                          layout=layout, rope=ROPE)
+        assert result.report.tier_sources == {"hit": len(tgts)} and result.report.placed
+        for (_, kv, _), t, out in zip(segments, tgts, result.kv):
+            assert torch.equal(out.cpu(), dict((k, kv) for k, kv, _ in segments)[t.key])
+        return cache, result
+
+    cache, first = child()
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    (key, spare), = routes._spares.items()
+    assert key == (0, torch.cuda.current_stream().cuda_stream) and spare.numel() == first.buffer.numel()
+    cache, second = child()
+    assert second.buffer.data_ptr() == spare.data_ptr()  # the spare, not a new allocation
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    (again,) = routes._spares.values()
+    assert again.data_ptr() not in (spare.data_ptr(), first.buffer.data_ptr())
+    side = torch.cuda.Stream()
+    cache, third = child(stream=side)  # another stream: its own spare, the default stream's kept
+    assert third.buffer.data_ptr() != again.data_ptr() and len(routes._spares) == 2
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    fewer = targets[:2]  # another size: the spare is not used (and no longer kept), a new one is
+    _, fourth = child(fewer)
+    assert fourth.buffer.data_ptr() != again.data_ptr()
+    assert routes._spares[(0, torch.cuda.current_stream().cuda_stream)].numel() == fourth.buffer.numel()
+    assert routes.drop_staging_spares() == 2 and routes._spares == {}
+    monkeypatch.setattr(routes, "SPARE_STAGING", False)
+    cache, _ = child()
+    assert routes._spares == {} and torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+    tier.close()
+
+
+def test_spare_staging_buffers_are_taken_once_per_stream_and_size_and_bounded(monkeypatch):
+    """The spare-staging bookkeeping (``SPARE_STAGING``; the buffers are made on the GPU there, on the
+    CPU here): a spare goes to the first taker of its device, stream and size and to no one else; a
+    taker of another size frees it; at most ``_MAX_SPARES`` are kept; a stocked slot is not replaced."""
+    from kmesh_host import routes
+
+    monkeypatch.setattr(routes, "_spares", {})
+    cpu = torch.device("cpu")
+    routes._stock_spare(cpu, 0, 11, 4096)
+    kept = routes._spares[(0, 11)]
+    routes._stock_spare(cpu, 0, 11, 8192)  # already stocked: kept as it is
+    assert routes._spares[(0, 11)] is kept and kept.numel() == 4096 and kept.dtype == torch.uint8
+    assert routes._take_spare(0, 12, 4096) is None and routes._take_spare(1, 11, 4096) is None  # other stream/device
+    assert routes._take_spare(0, 11, 4096) is kept
+    assert routes._take_spare(0, 11, 4096) is None  # taken once
+    routes._stock_spare(cpu, 0, 11, 4096)
+    assert routes._take_spare(0, 11, 8192) is None and (0, 11) not in routes._spares  # another size frees it
+    for s in range(routes._MAX_SPARES + 3):
+        routes._stock_spare(cpu, 0, s, 4096)
+    assert len(routes._spares) == routes._MAX_SPARES
+    assert routes.drop_staging_spares() == routes._MAX_SPARES and routes._spares == {}
