@@ -48,7 +48,9 @@ Streams: copies run on a copy stream; digests on a few side streams; the gate an
 a work stream. Both start after the caller's current stream's earlier work, and before the call returns
 (also on failure) the caller's current stream waits for both, so later work on it sees the placed
 cache and buffers it frees are no longer in use. A child whose objects are all resident and
-trusted has nothing to overlap: its copies and placement run in order on the caller's stream.
+trusted has nothing to overlap: its copies and placement run in order on the caller's stream,
+its first copy queued before anything else is arranged, into a staging buffer the previous such
+child of the same size made while its own copies ran (``SPARE_STAGING``).
 """
 
 from __future__ import annotations
