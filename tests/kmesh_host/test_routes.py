@@ -530,12 +530,13 @@ def check_issue_order(log, n_objects, *, digests):
     assert log[-1] == ("join",) and place < len(log) - 1 and not any(e[0] == "fence waited" for e in log)
 
 
-def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
-    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
-    tier = make_tier(store, "cpu")
-    # Page-cache reads of small files can finish before this thread reaches the preparation; on the
-    # GPU machine they take milliseconds. Hold each object's landing (its digest) until the placement
-    # is being prepared, as a real read would, so the order checked below does not depend on timing.
+def hold_landings_until_prepared(monkeypatch, tier, *, groups: bool = True) -> None:
+    """Page-cache reads of small files can finish before the restoring thread reaches the placement's
+    preparation (with ``READS_FIRST`` they are queued before it); on the GPU machine they take
+    milliseconds. Hold each object's landing (its copy and digest) until the placement is being
+    prepared, as a real read would, so that the order a test checks does not depend on timing.
+    ``groups=False``: the engine reports no groups of landings (``on_batch`` dropped), so the
+    restoring thread takes every landing once all loads have settled."""
     preparing = threading.Event()
     recorded_prepare, real_start = routes_mod.prepare_place_many, tier.start_loads
 
@@ -547,10 +548,18 @@ def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
         def held(*args):
             preparing.wait(10)
             return on_done(*args)
+        if not groups:
+            kw["on_batch"] = None
         return real_start(keys, on_done=held, **kw)
 
     monkeypatch.setattr(routes_mod, "prepare_place_many", prepare)
     monkeypatch.setattr(tier, "start_loads", start_loads)
+
+
+def test_forced_read_issue_order(store, segments, recorded, monkeypatch):
+    layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
+    tier = make_tier(store, "cpu")
+    hold_landings_until_prepared(monkeypatch, tier)
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.placed and result.report.tier_sources == {"read": 3}
@@ -571,9 +580,8 @@ def test_landings_are_copied_fenced_and_hashed_per_group(store, segments, record
     monkeypatch.setattr(routes_mod, "BATCH_LANDINGS", batch)
     layout, cache, targets = cache_and_targets(segments, "cpu", shifted=True)
     tier = make_tier(store, "cpu", io_engine="threads")
-    if not hook:  # the engine reports no groups: the restoring thread takes every landing at the end
-        real = tier.start_loads
-        monkeypatch.setattr(tier, "start_loads", lambda keys, **kw: real(keys, **{**kw, "on_batch": None}))
+    # not hook: the engine reports no groups, the restoring thread takes every landing at the end
+    hold_landings_until_prepared(monkeypatch, tier, groups=hook)
     result = restore_host_staging(store, targets, model_fingerprint=FP, device="cpu", tier=tier, cache=cache,
                                   layout=layout, rope=ROPE)
     assert result.report.placed and result.report.tier_sources == {"read": 3}
