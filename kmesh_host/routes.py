@@ -675,8 +675,35 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
                                               pin=device.type == "cuda"))
     t0 = time.perf_counter()
     _stamp("start")
+    # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
+    # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
+    # the first object's copy, before anything else is arranged (this call's own set-up below
+    # included), into a staging buffer made while the previous such child's copies ran where one
+    # is kept (``SPARE_STAGING``).
+    ready = tier.acquire_ready([t.key for t in targets], model_fingerprint=model_fingerprint,
+                               verified=verify != "none") \
+        if READY and not own_tier and device.type == "cuda" and (verify == "none" or trust_verified) else None
+    if ready is not None:
+        leases, rows = ready
+        try:
+            _stamp("leased")
+            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = _raw_stream(index)
+            buffer = _take_spare(index, stream, total) if SPARE_STAGING else None
+            if buffer is None:
+                buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            base = buffer.data_ptr()
+            _stamp("staging allocated")
+            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], stream))
+            _stamp("first copy queued")
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
     n = len(targets)
-    leases: list = [None] * n
+    if ready is None:
+        leases = [None] * n
     engine = tier.io_engine
     # Each load's outcome (i, lease, error), in the order they settle; `all_settled` is set by the
     # last one (one wake-up of this thread, not one per object: each would take the GIL from the
@@ -692,26 +719,6 @@ def restore_host_staging(store: SegmentStore, targets, *, model_fingerprint: Mod
     landed = [None] * n  # seconds from the call's start to each read object's load completing
     try:
         keys = [t.key for t in targets]
-        # Every object resident in page-locked memory and trusted (or not to be checked): nothing to
-        # read and nothing to hash, so nothing to overlap, and one stream serves; the DMA starts with
-        # the first object's copy, before anything else is arranged (the reading side's callbacks
-        # below included), into a staging buffer made while the previous such child's copies ran
-        # where one is kept (``SPARE_STAGING``).
-        ready = tier.acquire_ready(keys, model_fingerprint=model_fingerprint, verified=verify != "none") \
-            if READY and device.type == "cuda" and (verify == "none" or trust_verified) else None
-        if ready is not None:
-            leases[:], rows = ready
-            _stamp("leased")
-            offsets, total = _offsets_of([nbytes for _, nbytes in rows])
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            stream = _raw_stream(index)
-            buffer = _take_spare(index, stream, total) if SPARE_STAGING else None
-            if buffer is None:
-                buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            base = buffer.data_ptr()
-            _stamp("staging allocated")
-            early = int(_driver.copy_htod(base, rows[0][0], rows[0][1], stream))
-            _stamp("first copy queued")
         # The reading side. Its callbacks name the staging buffer, streams, verifier and report
         # made further down: with ``READS_FIRST`` the reads start before those exist (right after
         # the headers are read), and a landing that comes before they do is parked until this
