@@ -15,6 +15,7 @@ out of it has physically finished and the service has unmapped it).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import operator
@@ -95,7 +96,28 @@ def _ints(name: str, values) -> list[int]:
 
 
 _I8 = np.dtype("<i8")
-_TENSOR, _TORCH_I8 = torch.Tensor, torch.int64
+_TENSOR, _TORCH_I8, _STRIDED = torch.Tensor, torch.int64, torch.strided
+_BYTE = ctypes.c_char
+
+
+def _wire_array(name: str, values, keep: list):
+    """``(buffer, value count)``: ``values`` as int64 values for the wire. What a model runner
+    holds, a contiguous 1-D int64 CPU tensor, is sent from its own memory through a byte view made
+    without NumPy (``Tensor.numpy()`` costs several times more, and a restore has two index arrays
+    per item); such a view does not keep the tensor alive, so the tensor goes into ``keep``, which
+    the caller holds until the frame has been sent. Anything else is converted by :func:`_int64`."""
+    if type(values) is _TENSOR and values.dtype is _TORCH_I8 and values.layout is _STRIDED and values.dim() == 1 \
+            and values.is_cpu and values.is_contiguous():
+        n = values.nbytes
+        if not n:
+            return _EMPTY, 0
+        keep.append(values)
+        return memoryview((_BYTE * n).from_address(values.data_ptr())), n >> 3
+    a = _int64(name, values)
+    return a, a.shape[0]
+
+
+_EMPTY = memoryview(b"")
 
 
 def _vmm_export(tensor: torch.Tensor, device: int):
@@ -149,6 +171,8 @@ def _int64(name: str, values) -> np.ndarray:
     C-contiguous 1-D little-endian int64 array for the wire: contiguous int64 arrays and CPU
     tensors are used as they are (no copy), a list is converted with one call."""
     if isinstance(values, torch.Tensor):
+        if values.layout is not torch.strided:
+            raise LayoutError(f"{name}: expected a strided (dense) int64[T] tensor, got layout {values.layout}")
         if values.dtype is not torch.int64 or values.dim() != 1:
             raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
                               f"{list(values.shape)}")
@@ -456,6 +480,7 @@ class CacheClient:
         if secret is None or len(secret) != protocol.SECRET_BYTES:
             raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
         keys, slot_counts, position_counts, arrays, shifts = [], [], [], [], []
+        keep: list = []  # tensors sent from their own memory, alive until the frame is sent
         try:
             numbered = enumerate(items)
         except TypeError as exc:
@@ -476,26 +501,16 @@ class CacheClient:
                 key, slots, new_positions = it.key, it.slots, it.new_positions
             if type(key) is not str:
                 raise ProtocolError(f"items[{i}].key: expected str, got {type(key).__name__}")
-            # what a model runner holds (contiguous int64 CPU tensors) is viewed here, the rest
-            # converted by _int64
-            if type(slots) is _TENSOR and slots.dtype is _TORCH_I8 and slots.dim() == 1 and slots.is_cpu \
-                    and slots.is_contiguous():
-                s = slots.numpy()
-            else:
-                s = _int64("slots", slots)
+            s, count = _wire_array("slots", slots, keep)
             keys.append(key)
             arrays.append(s)
-            slot_counts.append(len(s))
+            slot_counts.append(count)
             if new_positions is None:
                 position_counts.append(None)
             else:
-                if type(new_positions) is _TENSOR and new_positions.dtype is _TORCH_I8 and new_positions.dim() == 1 \
-                        and new_positions.is_cpu and new_positions.is_contiguous():
-                    p = new_positions.numpy()
-                else:
-                    p = _int64("new_positions", new_positions)
+                p, count = _wire_array("new_positions", new_positions, keep)
                 shifts.append(p)
-                position_counts.append(len(p))
+                position_counts.append(count)
         arrays += shifts  # the body: every item's slots, then the shifted items' new positions
         signature = (tuple(keys), tuple(slot_counts), tuple(position_counts))
         encoded = self._items.get(signature)

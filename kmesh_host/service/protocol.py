@@ -589,8 +589,9 @@ def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: byt
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list:
     """A restore request's frame as buffers for :func:`send_parts`: the prefix and header (one
     ``bytes``), then ``arrays``, which the caller guarantees are C-contiguous little-endian int64
-    arrays holding, end to end, every item's slots, then the shifted items' new positions
-    (``items.n_slots + items.n_new`` values in all, checked). Empty arrays are left out."""
+    arrays (or byte views of such memory, with ``nbytes``) holding, end to end, every item's slots,
+    then the shifted items' new positions (``items.n_slots + items.n_new`` values in all,
+    checked). Empty arrays are left out."""
     if len(secret) != SECRET_BYTES:
         raise ProtocolError(f"secret: expected {SECRET_BYTES} bytes, got {len(secret)}")
     bits = BIT_WAIT if wait else 0
@@ -632,7 +633,7 @@ def restore_frame(items: RestoreItems, request_id: int, reg_id: int, secret: byt
         raise ProtocolError(f"slots/new_positions: the items count {items.n_slots} and {items.n_new}, the arrays "
                             f"hold {nbytes // 8} values in all")
     if len(out) > _MAX_PARTS:  # sendmsg takes a bounded number of buffers
-        out[1:] = [np.concatenate(out[1:])]
+        out[1:] = [b"".join(out[1:])]  # arrays and byte views alike, in order
     try:
         head = _RESTORE_HEAD.pack(MAGIC, VERSION, FLAG_BINARY, header_len, body_len, KIND_RESTORE, bits, items.n,
                                   request_id, reg_id, secret, timeout_s, items.keys_len, len(raw_extras))

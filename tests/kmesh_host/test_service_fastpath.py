@@ -14,7 +14,7 @@ import torch
 from kmesh_gpu import KVLayout, place_many
 from kmesh_gpu.errors import DrainError, LayoutError, ProtocolError
 from kmesh_host.service import CacheClient, RestoreItem, SharedCache, protocol
-from kmesh_host.service.client import _int64
+from kmesh_host.service.client import _int64, _wire_array
 from kmesh_host.service.registry import Finished, PeerIdentity, Registry
 from tests.helpers.service import running_service, small_layout, small_rope
 
@@ -117,10 +117,44 @@ def test_client_index_inputs_give_the_same_bytes(values):
 @pytest.mark.parametrize("values, match", [
     (torch.tensor([1, 2], dtype=torch.int32), "int64"), (torch.zeros(2, 2, dtype=torch.int64), "int64"),
     ([[0, 1]], "flat"), (["x"], "integers"), (5, "flat"),
-], ids=["tensor-int32", "tensor-2d", "nested", "strings", "scalar"])
+    (torch.tensor([1, 0, 2]).to_sparse(), "strided"),
+], ids=["tensor-int32", "tensor-2d", "nested", "strings", "scalar", "sparse-tensor"])
 def test_client_index_input_errors(values, match):
     with pytest.raises(LayoutError, match=match):
         _int64("slots", values)
+    with pytest.raises(LayoutError, match=match):
+        _wire_array("slots", values, [])
+
+
+@pytest.mark.parametrize("values", [
+    torch.tensor([3, 4, 5]), torch.arange(8)[2:5] + 1, torch.tensor([3, 9, 4, 9, 5])[::2], torch.tensor([], dtype=torch.int64),
+    [3, 4, 5], np.array([3, 4, 5], dtype=np.int32),
+], ids=["tensor", "offset-view", "strided-tensor", "empty-tensor", "list", "int32-array"])
+def test_wire_arrays_give_the_bytes_of_the_general_conversion(values):
+    keep = []
+    buf, count = _wire_array("slots", values, keep)
+    want = _int64("slots", values)
+    assert count == want.shape[0] and memoryview(buf).nbytes == want.nbytes
+    assert bytes(memoryview(buf).cast("B")) == want.tobytes()
+    # a contiguous int64 tensor is sent from its own memory and kept alive by the caller's list
+    viewed = isinstance(values, torch.Tensor) and values.is_contiguous() and values.numel() > 0
+    assert (keep == [values]) if viewed else keep == []
+    if viewed:
+        values[0] = 42
+        assert bytes(memoryview(buf).cast("B"))[:8] == np.int64(42).tobytes()
+
+
+def test_byte_views_give_the_same_frame_as_arrays_also_when_joined():
+    n = 3 * protocol._MAX_PARTS
+    keys = tuple(f"k{i}" for i in range(n))
+    tensors = [torch.tensor([2 * i, 2 * i + 1]) for i in range(n)]
+    arrays = [t.numpy() for t in tensors]
+    keep = []
+    views = [_wire_array("slots", t, keep)[0] if i % 2 else arrays[i] for i, t in enumerate(tensors)]
+    for m in (3, n):  # few items (one buffer each) and many (joined into one)
+        items = protocol.restore_items(keys[:m], (2,) * m, (None,) * m)
+        assert _joined(protocol.restore_frame(items, 1, 1, SECRET, views[:m])) == \
+            _joined(protocol.restore_frame(items, 1, 1, SECRET, arrays[:m]))
 
 
 # ---------------------------------------------------------------------------------- registry
@@ -194,7 +228,7 @@ def _reference(layout, rope, kvs, plan, fill=0x5A):
     return ref
 
 
-@pytest.mark.parametrize("kind", ["lists", "tuples", "tensors", "arrays", "strided"])
+@pytest.mark.parametrize("kind", ["lists", "tuples", "tensors", "arrays", "strided", "generated"])
 def test_every_input_kind_restores_the_same_bits(service, kind, request):
     layout, rope = small_layout(), small_rope()
     g = torch.Generator().manual_seed(11)
@@ -211,15 +245,25 @@ def test_every_input_kind_restores_the_same_bits(service, kind, request):
         return torch.tensor([x for x in v for _ in (0, 1)])[::2]  # a strided view
 
     keys = [f"{request.node.name}-{i}" for i in range(2)]
-    items = [(k, conv(s), conv(p)) if p is not None or kind != "tuples" else (k, s) for k, (s, p) in zip(keys, plan)]
-    if kind != "tuples":
-        items = [RestoreItem(*it) for it in items]
+    if kind == "generated":
+        def fresh():  # each item's tensors made as it is asked for and referenced by nothing else:
+            for k, (s, p) in zip(keys, plan):  # the client must keep them alive until it has sent them
+                t = torch.tensor(s)
+                yield RestoreItem(k, t, None if p is None else torch.tensor(p))
+                del t
+                torch.full((64,), -7, dtype=torch.int64)  # reuses freed memory, if any was freed
+        items = fresh
+    else:
+        items = [(k, conv(s), conv(p)) if p is not None or kind != "tuples" else (k, s)
+                 for k, (s, p) in zip(keys, plan)]
+        if kind != "tuples":
+            items = [RestoreItem(*it) for it in items]
     with SharedCache(layout, fill=0x5A) as cache, CacheClient(service.socket_path, timeout=60) as client:
         for k, kv in zip(keys, kvs):
             client.put(k, kv, torch.arange(4))
         reg = client.register(cache, layout, rope=rope)
         for _ in range(2):  # the second request reuses what the first one's items were checked and encoded as
-            client.restore(reg, items)
+            client.restore(reg, items() if callable(items) else items)
         assert torch.equal(cache.tensor.view(torch.uint8), _reference(layout, rope, kvs, plan).view(torch.uint8))
         assert client.close_registration(reg) is True
 
