@@ -198,6 +198,8 @@ def _int64(name: str, values) -> np.ndarray:
 
 #: distinct item lists a client keeps encoded (see :func:`.protocol.restore_items`)
 _ITEMS_KEPT = 256
+#: a polled reply up to this size is read with one system call (larger ones in further reads)
+_SCRATCH_BYTES = 1 << 16
 
 
 class CacheClient:
@@ -225,6 +227,8 @@ class CacheClient:
         self._lock = threading.Lock()
         self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # reg id -> (event, IPC handle)
         self._items: dict[tuple, protocol.RestoreItems] = {}  # (keys, slot counts, position counts) -> encoded
+        #: where a polled reply is read whole (see protocol.read_frame); used under ``_lock``
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -278,7 +282,7 @@ class CacheClient:
                 spin = self.reply_spin_s if self._last_reply_ns <= self.reply_spin_s * 1e9 else 0.0
                 flags, buf, body = protocol.read_frame(self._sock, max_body_bytes=self.max_body_bytes,
                                                        frame_timeout=self.timeout, spin_s=spin,
-                                                       deadline=sent / 1e9 + self.timeout)
+                                                       deadline=sent / 1e9 + self.timeout, scratch=self._scratch)
                 received = time.monotonic_ns()
                 self._last_reply_ns = received - sent
                 if stamps is not None:

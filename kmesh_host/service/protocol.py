@@ -193,9 +193,78 @@ def _recv_spinning(sock: socket.socket, view: memoryview, spin_s: float, spin_wh
             os.sched_yield()
 
 
+def _check_prefix(prefix, max_body_bytes: int) -> tuple[int, int, int]:
+    """``(flags, header length, body length)`` of a frame's 16-byte prefix; :class:`FatalFrameError`
+    when it is not one this side accepts."""
+    magic, version, flags, header_len, body_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise FatalFrameError(f"frame: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise FatalFrameError(f"frame: protocol version {version}, this service speaks {VERSION}")
+    if flags & ~FLAG_BINARY:
+        raise FatalFrameError(f"frame: unknown flags {flags:#x}")
+    if header_len > MAX_HEADER_BYTES or header_len == 0:
+        raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
+    if body_len > max_body_bytes:
+        raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
+    return flags, header_len, body_len
+
+
+def _readv_spinning(fd: int, view: memoryview, spin_s: float, spin_while=None) -> int:
+    """:func:`_recv_spinning` on a non-blocking descriptor read directly (``os.readv``): up to
+    ``len(view)`` bytes, 0 at end of stream, -1 when nothing came in time."""
+    deadline = time.monotonic() + spin_s
+    bufs = [view]
+    while True:
+        try:
+            return os.readv(fd, bufs)
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= deadline or (spin_while is not None and not spin_while()):
+                return -1
+            os.sched_yield()
+
+
+def _rest_of_frame(sock: socket.socket, first: memoryview, max_body_bytes: int, frame_timeout: float | None,
+                   deadline: float | None) -> tuple[int, bytearray, memoryview]:
+    """The frame whose first bytes are ``first`` (read already, at most one frame's worth is
+    accepted): the rest read from ``sock`` as :func:`read_frame` reads a frame that arrives in
+    pieces (``frame_timeout`` per read, ``deadline`` for all of it)."""
+    idle_timeout = sock.gettimeout()
+    try:
+        k = len(first)
+        if k < PREFIX.size:
+            prefix = bytearray(PREFIX.size)
+            prefix[:k] = first
+            sock.settimeout(frame_timeout)
+            _recv_exact(sock, memoryview(prefix), k, deadline)
+            first, k = memoryview(prefix), PREFIX.size
+        flags, header_len, body_len = _check_prefix(first, max_body_bytes)
+        n = header_len + body_len
+        have = k - PREFIX.size
+        if have > n:
+            raise FatalFrameError(f"frame: {have - n} bytes beyond the end of a frame arrived with it (one reply "
+                                  "was expected)")
+        if have == n:
+            buf = bytearray(first[PREFIX.size:])
+        elif n > PREALLOC_BYTES:  # as read_frame: the buffer grows with what arrives
+            sock.settimeout(frame_timeout)
+            buf = bytearray(first[PREFIX.size:])
+            buf += _recv_growing(sock, n - have, deadline)
+        else:
+            buf = bytearray(n)
+            buf[:have] = first[PREFIX.size:]
+            sock.settimeout(frame_timeout)
+            _recv_exact(sock, memoryview(buf), have, deadline)
+    finally:
+        if sock.gettimeout() != idle_timeout:
+            sock.settimeout(idle_timeout)
+    return flags, buf, memoryview(buf)[header_len:]
+
+
 def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                frame_timeout: float | None = None, spin_s: float = 0.0,
-               spin_while=None, deadline: float | None = None) -> tuple[int, bytearray, memoryview]:
+               spin_while=None, deadline: float | None = None,
+               scratch: memoryview | None = None) -> tuple[int, bytearray, memoryview]:
     """Read one frame: ``(flags, buffer, body)``, ``buffer`` being the raw header and the body
     together (``body`` a view of its tail); :func:`decode_header` or :func:`decode_restore` parse it.
 
@@ -207,7 +276,21 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     :class:`FatalFrameError` when the prefix is invalid (the caller must close). ``deadline``
     (monotonic seconds; the client's): once the frame has begun no read goes past it, however
     slowly the frame trickles in (``frame_timeout`` alone bounds each read, not the frame).
+
+    ``scratch`` (a client's, with ``spin_s``): a socket with a timeout has a non-blocking
+    descriptor, which is then polled directly (``os.readv`` into ``scratch``), so that the first
+    read takes a small frame whole, without the two switches of the socket's timeout and the second
+    read that polling through the socket object costs. That read must not take more than this one
+    frame: the caller expects one frame only (a reply), and bytes beyond it are a
+    :class:`FatalFrameError`.
     """
+    if scratch is not None and spin_s > 0 and sock.gettimeout() is not None:
+        k = _readv_spinning(sock.fileno(), scratch, spin_s, spin_while)
+        if k == 0:
+            raise ConnectionClosed("connection closed")
+        if k > 0:
+            return _rest_of_frame(sock, scratch[:k], max_body_bytes, frame_timeout, deadline)
+        spin_s = 0.0  # nothing came while polling: wait for it as below
     prefix = bytearray(PREFIX.size)
     pview = memoryview(prefix)
     idle_timeout = sock.gettimeout()
@@ -238,17 +321,7 @@ def read_frame(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
                 sock.settimeout(frame_timeout)
                 current = frame_timeout
             _recv_exact(sock, pview, k, deadline)
-        magic, version, flags, header_len, body_len = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise FatalFrameError(f"frame: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise FatalFrameError(f"frame: protocol version {version}, this service speaks {VERSION}")
-        if flags & ~FLAG_BINARY:
-            raise FatalFrameError(f"frame: unknown flags {flags:#x}")
-        if header_len > MAX_HEADER_BYTES or header_len == 0:
-            raise FatalFrameError(f"frame: header length {header_len} outside 1..{MAX_HEADER_BYTES}")
-        if body_len > max_body_bytes:
-            raise FatalFrameError(f"frame: body length {body_len} exceeds the limit of {max_body_bytes}")
+        flags, header_len, body_len = _check_prefix(prefix, max_body_bytes)
         n = header_len + body_len
         if n > PREALLOC_BYTES:
             # a large frame: its buffer grows with the bytes that arrive, so that a prefix alone
@@ -312,8 +385,16 @@ def send_message(sock: socket.socket, header: dict, body: bytes | bytearray | me
 
 def send_parts(sock: socket.socket, parts: list) -> None:
     """Send a frame given as buffers (``bytes``, memoryviews or C-contiguous arrays: the prefix and
-    header first, then arrays) with one ``sendmsg`` in the common case, without joining them first."""
-    sent = sock.sendmsg(parts)
+    header first, then arrays) with one system call in the common case, without joining them first.
+    A socket with a timeout (a client's) has a non-blocking descriptor, written directly
+    (``os.writev``): the socket object would first poll it for room, a system call per frame."""
+    if sock.gettimeout() is not None:
+        try:
+            sent = os.writev(sock.fileno(), parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+    else:
+        sent = sock.sendmsg(parts)
     _, _, _, header_len, body_len = PREFIX.unpack_from(parts[0])  # the frame's own length, not a sum
     if sent < PREFIX.size + header_len + body_len:  # the socket buffer was full: send the rest in order
         sock.sendall(b"".join(parts)[sent:])

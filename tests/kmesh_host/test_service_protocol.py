@@ -7,6 +7,8 @@ import random
 import socket
 import stat
 import struct
+import threading
+import time
 
 import pytest
 import torch
@@ -74,6 +76,127 @@ def test_truncated_frame():
         a.close()
         with pytest.raises(protocol.ConnectionClosed, match="middle of a frame"):
             protocol.read_message(b)
+
+
+# ---------------------------------------------------------------------------------- polled descriptors
+def _scratch(n: int = 1 << 16) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+def _later(delay: float, fn, *args) -> threading.Thread:
+    def run():
+        time.sleep(delay)
+        fn(*args)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _read_polled(sock, **kw):
+    kw.setdefault("spin_s", 0.05)
+    return protocol.read_frame(sock, max_body_bytes=8 << 20, frame_timeout=5, scratch=_scratch(), **kw)
+
+
+@pytest.mark.parametrize("body_len", [0, 5, (1 << 16) - 40, 1 << 16, 300_000, (1 << 20) + 7],
+                         ids=["empty", "small", "fills-scratch", "over-scratch", "large", "over-prealloc"])
+def test_polled_read_gives_the_frame_read_frame_gives(body_len):
+    body = bytes(random.Random(body_len).getrandbits(8) for _ in range(min(body_len, 4096))) * \
+        (body_len // 4096 + 1)
+    body = body[:body_len]
+    frame = protocol.encode({"id": 3, "ok": True}, body, max_body_bytes=8 << 20)
+    for polled in (True, False):
+        a, b = _pair()
+        with a, b:
+            sender = _later(0.0, a.sendall, frame)
+            got = _read_polled(b) if polled else protocol.read_frame(b, max_body_bytes=8 << 20, frame_timeout=5)
+            sender.join()
+            flags, buf, got_body = got
+            assert flags == 0 and bytes(got_body) == body
+            assert protocol.decode_header(memoryview(buf)[:len(buf) - len(got_body)]) == {"id": 3, "ok": True}
+            assert b.gettimeout() == 5  # put back
+
+
+@pytest.mark.parametrize("split", [1, 7, 16, 17, 40])
+def test_polled_read_of_a_frame_that_arrives_in_pieces(split):
+    frame = protocol.encode({"id": 4, "ok": True}, b"x" * 100)
+    a, b = _pair()
+    with a, b:
+        a.sendall(frame[:split])
+        sender = _later(0.1, a.sendall, frame[split:])  # the rest after the polled read has returned
+        flags, buf, body = _read_polled(b)
+        sender.join()
+        assert bytes(body) == b"x" * 100 and b.gettimeout() == 5
+
+
+def test_polled_read_waits_as_usual_when_nothing_came_while_polling():
+    frame = protocol.encode({"id": 5, "ok": True})
+    a, b = _pair()
+    with a, b:
+        sender = _later(0.2, a.sendall, frame)
+        flags, buf, body = _read_polled(b, spin_s=0.01)
+        sender.join()
+        assert protocol.decode_header(buf) == {"id": 5, "ok": True}
+
+
+def test_polled_read_refuses_bytes_beyond_one_frame_and_bad_prefixes():
+    a, b = _pair()
+    with a, b:
+        a.sendall(protocol.encode({"id": 6, "ok": True}) * 2)  # two replies where one was asked for
+        time.sleep(0.05)
+        with pytest.raises(protocol.FatalFrameError, match="beyond the end"):
+            _read_polled(b)
+    a, b = _pair()
+    with a, b:
+        a.sendall(struct.pack("<4sHHII", b"XXXX", protocol.VERSION, 0, 2, 0) + b"{}")
+        with pytest.raises(protocol.FatalFrameError, match="magic"):
+            _read_polled(b)
+
+
+def test_polled_read_at_end_of_stream_and_mid_frame():
+    a, b = _pair()
+    with b:
+        a.close()
+        with pytest.raises(protocol.ConnectionClosed, match="connection closed"):
+            _read_polled(b)
+    a, b = _pair()
+    with b:
+        a.sendall(protocol.encode({"id": 7}, b"12345")[:-2])
+        a.close()
+        with pytest.raises(protocol.ConnectionClosed, match="middle of a frame"):
+            _read_polled(b)
+
+
+def test_polled_frame_is_not_a_view_of_the_scratch_buffer():
+    a, b = _pair()
+    scratch = _scratch()
+    with a, b:
+        a.sendall(protocol.encode({"id": 8, "ok": True}, b"first"))
+        _, buf, body = protocol.read_frame(b, frame_timeout=5, spin_s=0.05, scratch=scratch)
+        a.sendall(protocol.encode({"id": 9, "ok": True}, b"other"))
+        protocol.read_frame(b, frame_timeout=5, spin_s=0.05, scratch=scratch)
+        assert bytes(body) == b"first"
+
+
+def test_send_parts_on_a_socket_with_a_timeout_sends_everything_in_order():
+    import ctypes
+
+    a, b = _pair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the frame does not fit: the rest follows
+        values = torch.arange(200_000, dtype=torch.int64)
+        view = memoryview((ctypes.c_char * values.nbytes).from_address(values.data_ptr()))
+        head = struct.pack("<4sHHII", b"KMSH", protocol.VERSION, protocol.FLAG_BINARY, 8, 2 * values.nbytes)
+        parts = [head + bytes(8), view, values.numpy()]
+        got = bytearray()
+
+        def drain():
+            while len(got) < 24 + 2 * values.nbytes:
+                got.extend(b.recv(1 << 16))
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        protocol.send_parts(a, parts)
+        reader.join(10)
+        assert bytes(got) == b"".join([head + bytes(8), values.numpy().tobytes() * 2])
 
 
 def test_encode_limits():
