@@ -124,6 +124,8 @@ _FINISHED = Finished()  # stateless: one for every synchronous (host memory) cop
 _NO_FAULTS: dict = {}  # never modified
 #: completion events a registration keeps for reuse (as many as it has had requests at once)
 _EVENTS_KEPT = 8
+#: how long a registration waits for the start-up warm-up before compiling what it needs itself
+_WARM_WAIT_S = 300.0
 _place_module = None
 
 
@@ -184,16 +186,40 @@ class _Service:
         # conn id -> {reg id: (IPC handle bytes, the client's event opened here)}; each connection's
         # thread alone reads and fills its own entry
         self._conn_events: dict[int, dict] = {}
+        #: set once the compiled host paths (and, with CUDA, the placement's compiled driver calls)
+        #: are compiled or loaded from Numba's cache (see :meth:`_warm_up`)
+        self._warm = threading.Event()
+        self._warm_up_s: float | None = None
+        self._warming = False  # a warm-up was started (by start(); a service used without it has none)
         self._listener: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._listener = bind_socket(self.config.socket_path)
         self._listener.settimeout(0.2)
-        for target, name in ((self._accept_loop, "kmesh-accept"), (self._reap_loop, "kmesh-reaper")):
+        self._warming = True
+        for target, name in ((self._warm_up, "kmesh-warmup"), (self._accept_loop, "kmesh-accept"),
+                             (self._reap_loop, "kmesh-reaper")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _warm_up(self) -> None:
+        """Compile (or load from Numba's on-disk cache) what registrations and restores run, as the
+        service starts: Numba's import and a cold compile take seconds, with the GIL held, and done
+        by the first registration they stalled that client and every other connection meanwhile.
+        A registration that comes earlier waits for this (see :meth:`_register`)."""
+        name_native_thread("kmesh-warmup")
+        start = time.monotonic()
+        try:
+            _compiled.compiled()
+            if self.cuda:
+                _launch.driver_jit()
+        except Exception:  # each has its own fallback when called again; report and go on
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            self._warm_up_s = round(time.monotonic() - start, 3)
+            self._warm.set()
 
     def stop(self) -> None:
         """Stop accepting, end connections, then drain every pending copy before releasing memory."""
@@ -551,7 +577,8 @@ class _Service:
                "socket": self.config.socket_path, "cuda": self.cuda, "connections": connections,
                "fault_injection": self.config.allow_fault_injection, "counters": counters,
                "sources": {**self.sources.stats(), **self.device_originals.stats()},
-               "open_ipc_mappings": len(self.device_mappings), "switch_interval_s": sys.getswitchinterval(), **snap}
+               "open_ipc_mappings": len(self.device_mappings), "switch_interval_s": sys.getswitchinterval(),
+               "warm": self._warm.is_set(), "warm_up_s": self._warm_up_s, **snap}
         if self.cuda and torch.cuda.is_initialized():
             out["device_memory_allocated"] = torch.cuda.memory_allocated()
         return out, b""
@@ -647,7 +674,11 @@ class _Service:
                                   f"{list(view.physical_shape)} of {layout.dtype} needs {need}")
         if rope is not None and rope.head_size != layout.head_size:
             raise LayoutError(f"rope: head_size {rope.head_size} differs from the layout's D={layout.head_size}")
-        _compiled.compiled()  # compiled (or loaded) now, not by the registration's first restore
+        # compiled (or loaded) by the warm-up as the service started: waited for here rather than
+        # compiled again in parallel, and not left to the registration's first restore
+        if self._warming:
+            self._warm.wait(_WARM_WAIT_S)
+        _compiled.compiled()
         mappings = []
         try:
             for x in handles:

@@ -19,7 +19,7 @@ import torch
 from kmesh_gpu.errors import KmeshError, OwnershipError
 from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache, protocol
 from kmesh_host.service.memory import MemoryHandle
-from tests.helpers.service import registration_of, small_layout, small_rope, socket_dir
+from tests.helpers.service import registration_of, small_layout, small_rope, socket_dir, wait_for
 
 T = 4
 
@@ -235,8 +235,8 @@ def test_an_announced_body_is_not_allocated_before_it_arrives():
         cfg = ServiceConfig(socket_path=os.path.join(d, "svc", "kmesh.sock"), max_body_bytes=max_body,
                             receive_spin_s=0.0)
         with CacheService(cfg) as svc:
-            with CacheClient(svc.socket_path) as c:
-                c.status()
+            with CacheClient(svc.socket_path) as c:  # the start-up warm-up (Numba) has grown the RSS first
+                wait_for(lambda: c.status()["warm"], timeout=120)
             base = rss_mib(svc.pid)
             socks = []
             try:
