@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ._once import once_per_key
 from .errors import BackendError
 
 CSRC = Path(__file__).with_name("csrc")
@@ -22,8 +23,11 @@ def _source(name: str) -> str:
     return (CSRC / name).read_text()
 
 
-@functools.cache
+@once_per_key(maxsize=None)
 def _module(device_id: int, source_name: str, name_expressions: tuple[str, ...], options: tuple[str, ...]):
+    """Compiled once per key, also when threads ask at the same time (the cache service's request
+    threads setting up new clients' first restores together each compiled the whole source with
+    NVRTC, seconds of CPU each, with ``functools.cache``)."""
     import cupy
 
     with cupy.cuda.Device(device_id):
@@ -39,7 +43,7 @@ def _module(device_id: int, source_name: str, name_expressions: tuple[str, ...],
     return mod
 
 
-@functools.cache
+@once_per_key(maxsize=None)
 def get_kernel(source_name: str, kernel_name: str, *, device_id: int,
                name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
     """Return the compiled ``kernel_name`` from ``csrc/source_name`` for CUDA device ``device_id``.
