@@ -113,6 +113,11 @@ class Compiled(NamedTuple):
     restore_blocks: object
     reserve: object
     release: object
+    #: ``reserve`` and ``release`` under a registration's spin lock (``_atomics``), which a fast
+    #: lane's loop holds while it changes the holders without the GIL; ``None`` where those do
+    #: not compile (no lane can then exist)
+    reserve_locked: object = None
+    release_locked: object = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,6 +147,16 @@ def compiled() -> Compiled | None:
         if out.reserve(holders, held, 7) != RESERVED or out.reserve(holders, held[1:], 8) != 0 \
                 or out.release(holders, held, 7) != 0 or holders.any():
             return None
+        try:
+            from . import _atomics
+
+            lock = np.zeros(1, dtype=np.int64)
+            if _atomics.reserve_locked(lock, holders, held, 7) == RESERVED \
+                    and _atomics.reserve_locked(lock, holders, held[1:], 8) == 0 \
+                    and _atomics.release_locked(lock, holders, held, 7) == 0 and not holders.any() and not lock[0]:
+                out = out._replace(reserve_locked=_atomics.reserve_locked, release_locked=_atomics.release_locked)
+        except Exception:  # the atomics do not compile here: no lanes, the plain passes serve
+            pass
         return out
     except Exception:  # no Numba, or it cannot compile here: the NumPy paths serve
         return None

@@ -97,6 +97,9 @@ class Registration:
     #: int64[num_blocks]: the id of the operation holding each block, 0 when free (under the
     #: registry's lock); an array, so that a request's blocks are checked and reserved at once
     holders: np.ndarray = field(init=False, repr=False)
+    #: the registration's spin lock (``lock[0]``, see ``_atomics``): the holders change under it
+    #: (and under the registry's lock) once a fast lane may change them without the GIL
+    lock: np.ndarray = field(init=False, repr=False)
     #: the layout's slot count and block size, looked up once (every request is checked against them)
     num_slots: int = field(init=False, repr=False)
     block_size: int = field(init=False, repr=False)
@@ -106,6 +109,7 @@ class Registration:
 
     def __post_init__(self):
         self.holders = np.zeros(self.layout.num_blocks, dtype=np.int64)
+        self.lock = np.zeros(1, dtype=np.int64)
         self.num_slots, self.block_size = int(self.layout.num_slots), int(self.layout.block_size)
 
     @property
@@ -122,7 +126,9 @@ class Registration:
         return {"reg": self.reg_id, "generation": self.generation, "instance": self.instance, "pid": self.identity.pid,
                 "state": self.state, "memory": self.handle_key.split(b"|", 1)[0].decode("ascii", "replace"),
                 "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
-                "held_blocks": np.flatnonzero(self.holders).tolist(), "pending_ops": sorted(self.ops)}
+                "held_blocks": np.flatnonzero(self.holders).tolist(),
+                "pending_ops": sorted(i for i, op in self.ops.items() if not op.idle_lane),
+                "lanes": sorted(i for i, op in self.ops.items() if op.kind == "lane")}
 
 
 def _closed_gate() -> threading.Lock:
@@ -148,6 +154,22 @@ class Op:
     #: held from creation until :meth:`Registry.submitted` opens it (a lock: far cheaper to make
     #: than an Event, and an operation is created for every request)
     gate: threading.Lock = field(default_factory=_closed_gate, repr=False)
+    #: held until :meth:`Registry._release` has finished with the operation (its callback run, its
+    #: registration freed where it was the last): a drain that finds it drained by another thread
+    #: waits for that, so its caller sees what the release did (a close's reply says "freed")
+    released: threading.Lock = field(default_factory=_closed_gate, repr=False)
+
+    def wait_released(self, timeout: float | None) -> bool:
+        if not self.released.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            return False
+        self.released.release()
+        return True
+
+    @property
+    def idle_lane(self) -> bool:
+        """A fast lane holding nothing between requests (it is pending until stopped, but no copy is:
+        status lists it under ``lanes``); a stuck lane holds its last request's blocks and is listed."""
+        return self.kind == "lane" and not self.blocks.size
 
     def wait_submitted(self, timeout: float | None) -> bool:
         """Block until the operation has been submitted (``timeout`` seconds at most; ``None``: no
@@ -327,6 +349,8 @@ class Registry:
             sources = tuple(sources)
         if not isinstance(blocks, np.ndarray):
             blocks = np.array(sorted(blocks), dtype=np.int64)
+        elif _compiled_for(blocks) is None and _compiled.compiled() is not None:
+            blocks = np.array(blocks, dtype=np.int64)  # the compiled (locked) passes take it: see Registration.lock
         holders = reg.holders
         if blocks.size and (blocks[0] < 0 or blocks[-1] >= holders.shape[0]):
             raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
@@ -337,7 +361,8 @@ class Registry:
             op_id = self._next_op
             if compiled is not None:
                 # checks that every block is free and holds them, in one call
-                code = compiled.reserve(holders, blocks, op_id)
+                code = compiled.reserve_locked(reg.lock, holders, blocks, op_id) \
+                    if compiled.reserve_locked is not None else compiled.reserve(holders, blocks, op_id)
                 if code == _compiled.OUT_OF_RANGE:
                     raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
                 if code != _compiled.RESERVED:
@@ -418,6 +443,7 @@ class Registry:
     def drain_one(self, op: Op, timeout: float | None) -> None:
         """:meth:`drain` of a single operation (a synchronous request's own), without the list."""
         if op.state == OP_DRAINED:
+            self._released_by_other(op, timeout)
             return
         deadline = None if timeout is None else self._now() + timeout
         if not op.wait_submitted(timeout):
@@ -425,6 +451,7 @@ class Registry:
                 op.wait_failures += 1
             raise DrainError(f"operation {op.op_id}: still being submitted; its buffers stay held")
         if op.state == OP_DRAINED:
+            self._released_by_other(op, None if deadline is None else deadline - self._now())
             return
         completion = op.completion
         if completion is None:  # nothing was submitted: submitted() releases it (idempotent)
@@ -444,6 +471,12 @@ class Registry:
                              "source and destination stay held")
         self._release(op)
 
+    @staticmethod
+    def _released_by_other(op: Op, timeout: float | None) -> None:
+        """``op`` was drained by another thread: wait until that thread's release has finished."""
+        if not op.wait_released(timeout):
+            raise DrainError(f"operation {op.op_id}: drained, its release still running")
+
     def _release(self, op: Op) -> None:
         with self._lock:
             if op.state == OP_DRAINED:
@@ -454,7 +487,10 @@ class Registry:
             # only the blocks this operation holds: all of them, while begin() is the only one to reserve
             compiled = _compiled_for(blocks)
             if compiled is not None:
-                compiled.release(holders, blocks, op.op_id)
+                if compiled.release_locked is not None:
+                    compiled.release_locked(reg.lock, holders, blocks, op.op_id)
+                else:
+                    compiled.release(holders, blocks, op.op_id)
             else:
                 held = holders[blocks]
                 if np.count_nonzero(held != op.op_id):
@@ -469,9 +505,12 @@ class Registry:
             if callback is not None:
                 callback(op)
         finally:  # the operation is released whatever its callback did
-            op.keepalive.clear()
-            if free_reg:
-                self._free([reg])
+            try:
+                op.keepalive.clear()
+                if free_reg:
+                    self._free([reg])
+            finally:
+                op.released.release()
 
     def _source_holds(self) -> dict[str, int]:
         """Key -> number of pending operations that read or write it. Counted when asked (evict,
@@ -521,6 +560,6 @@ class Registry:
     def snapshot(self) -> dict:
         with self._lock:
             regs = [r.describe() for r in self._regs.values()]
-            ops = [op.describe() for r in self._regs.values() for op in r.ops.values()]
+            ops = [op.describe() for r in self._regs.values() for op in r.ops.values() if not op.idle_lane]
             return {"registrations": regs, "pending_ops": ops, "held_sources": self._source_holds(),
                     "retired": len(self._retired), "next_generation": self._next_generation}

@@ -282,15 +282,26 @@ class DeviceOriginals:
     this tier holds.
     """
 
-    def __init__(self, budget_bytes: int, *, is_current=None):
+    def __init__(self, budget_bytes: int, *, is_current=None, on_drop=None):
         self.budget_bytes = int(budget_bytes)
         self._is_current = is_current
+        #: ``on_drop(key)``: told of every copy this tier stops holding (the service's fast lanes
+        #: then drop the rows that name it), after the tier's lock is released
+        self._on_drop = on_drop
+        self._dropped: list[str] = []
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, int], DeviceCopy] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._streams: dict[int, object] = {}
 
     def get(self, key: str, segment: SourceSegment, device: torch.device) -> DeviceCopy | None:
+        try:
+            return self._get(key, segment, device)
+        finally:
+            if self._dropped:
+                self._tell_dropped()
+
+    def _get(self, key: str, segment: SourceSegment, device: torch.device) -> DeviceCopy | None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         nbytes = segment.nbytes
         with self._lock:
@@ -360,6 +371,20 @@ class DeviceOriginals:
     def _remove(self, k: tuple[str, int]) -> None:
         entry = self._entries.pop(k)
         self._bytes[k[1]] -= entry.source.nbytes
+        if self._on_drop is not None:
+            self._dropped.append(k[0])
+
+    def _tell_dropped(self) -> None:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for key in dropped:
+            self._on_drop(key)
+
+    def current(self, key: str, device: torch.device) -> DeviceCopy | None:
+        """The copy of ``key`` this tier holds on ``device`` now (no upload, no reordering)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            return self._entries.get((key, index))
 
     def drop(self, key: str) -> int:
         """Forget every device copy of ``key``; returns how many there were."""
@@ -367,7 +392,9 @@ class DeviceOriginals:
             keys = [k for k in self._entries if k[0] == key]
             for k in keys:
                 self._remove(k)
-            return len(keys)
+        if self._dropped:
+            self._tell_dropped()
+        return len(keys)
 
     def stats(self) -> dict:
         with self._lock:

@@ -7,7 +7,7 @@ import torch
 
 from kmesh_gpu import KVLayout
 from kmesh_gpu.errors import DrainError, LayoutError, OwnershipError
-from kmesh_host.service.registry import Completion, PeerIdentity, Registry
+from kmesh_host.service.registry import Completion, Finished, PeerIdentity, Registry
 
 ME = PeerIdentity(pid=100, uid=1000, gid=1000)
 OTHER = PeerIdentity(pid=200, uid=1000, gid=1000)
@@ -223,3 +223,42 @@ def test_snapshot_lists_holds(reg_env, layout):
     snap = registry.snapshot()
     assert snap["registrations"][0]["held_blocks"] == [2]
     assert snap["pending_ops"][0]["op"] == op.op_id and snap["held_sources"] == {"k": 1}
+
+
+def test_a_drain_that_finds_the_operation_released_by_another_thread_waits_for_that_release(layout):
+    """Two threads drain one operation (a close and the reaper): the one that finds it already
+    drained returns only once the other's release has finished, registration freed included, so
+    a close's reply can say "freed" (it said "pending" while the reaper was still freeing)."""
+    import threading
+    import time
+
+    freeing = threading.Event()
+
+    def slow_release(reg):
+        freeing.set()
+        time.sleep(0.3)
+
+    registry = Registry(slow_release)
+    reg = _register(registry, layout)
+    op = registry.begin(reg, "restore", {1})
+    registry.submitted(op, Finished(), outcome="ok")
+    registry.close(reg)
+    first = threading.Thread(target=registry.drain_one, args=(op, 5.0))
+    first.start()
+    assert freeing.wait(5)
+    registry.drain_one(op, 5.0)  # drained already: waits for the first thread's release
+    assert reg.state == "freed"
+    first.join(5)
+    with pytest.raises(DrainError, match="release still running"):
+        op2_registry = Registry(lambda r: time.sleep(0.5))
+        reg2 = _register(op2_registry, layout, handle=b"h2")
+        op2 = op2_registry.begin(reg2, "restore", {1})
+        op2_registry.submitted(op2, Finished(), outcome="ok")
+        op2_registry.close(reg2)
+        t = threading.Thread(target=op2_registry.drain_one, args=(op2, 5.0))
+        t.start()
+        time.sleep(0.1)
+        try:
+            op2_registry.drain_one(op2, 0.01)
+        finally:
+            t.join(5)

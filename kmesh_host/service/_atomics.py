@@ -1,0 +1,151 @@
+"""Atomics for compiled code shared between processes and threads (Numba intrinsics over int64
+arrays), and the registration's spin lock built on them.
+
+The fast lane's loop (:mod:`._lane_jit`) runs without the GIL and changes a registration's block
+holders while the service's Python changes them too (other requests' reservations and releases):
+both sides do so only under the registration's lock, ``lock[0]`` of an int64 array, taken with a
+compare-and-swap. :func:`reserve_locked` and :func:`release_locked` are the registry's compiled
+reservation and release under that lock. Imported on first use (Numba at its top).
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+
+def _item_ptr(context, builder, arrty, arr, idx, idxty):
+    ary = context.make_array(arrty)(context, builder, arr)
+    i = context.cast(builder, idx, idxty, types.intp)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [i], wraparound=False)
+
+
+def _int64_vector(t) -> bool:
+    return isinstance(t, types.Array) and t.dtype == types.int64 and t.ndim == 1
+
+
+@intrinsic
+def load(typingctx, arr, idx):
+    """Sequentially consistent load of ``arr[idx]`` (int64; no bounds check)."""
+    if not _int64_vector(arr) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_item_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]),
+                                   "seq_cst", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def store(typingctx, arr, idx, value):
+    """Sequentially consistent store of ``value`` into ``arr[idx]`` (int64; no bounds check)."""
+    if not _int64_vector(arr) or not isinstance(idx, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.none(arr, idx, value), codegen
+
+
+@intrinsic
+def cas(typingctx, arr, idx, expected, value):
+    """``arr[idx]``: ``expected`` -> ``value`` atomically; 1 when swapped, else 0."""
+    if not _int64_vector(arr) or not all(isinstance(t, types.Integer) for t in (idx, expected, value)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        old = context.cast(builder, args[2], sig.args[2], types.int64)
+        new = context.cast(builder, args[3], sig.args[3], types.int64)
+        pair = builder.cmpxchg(ptr, old, new, "seq_cst", "seq_cst")
+        return builder.zext(builder.extract_value(pair, 1), ir.IntType(64))
+
+    return types.int64(arr, idx, expected, value), codegen
+
+
+@intrinsic
+def fence(typingctx):
+    """A sequentially consistent fence."""
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+_JIT = dict(nogil=True, cache=True)
+
+
+@numba.njit(**_JIT)
+def take(lock):
+    """Spin until ``lock[0]`` is ours (0 -> 1). Held only around short steps (a lane's request,
+    from its checks to its copy's completion, is the longest)."""
+    while cas(lock, 0, 0, 1) == 0:
+        pass
+
+
+@numba.njit(**_JIT)
+def give(lock):
+    store(lock, 0, 0)
+
+
+@numba.njit(**_JIT)
+def put(words, i, value):
+    """``words[i] = value``, sequentially consistent (for Python's writes into a lane's page)."""
+    store(words, i, value)
+
+
+@numba.njit(**_JIT)
+def get(words, i):
+    return load(words, i)
+
+
+@numba.njit(**_JIT)
+def set_word(lock, words, i, value):
+    """``words[i] = value`` under ``lock`` (after a lane's request in flight has finished)."""
+    take(lock)
+    words[i] = value
+    give(lock)
+
+
+@numba.njit(**_JIT)
+def reserve_locked(lock, holders, blocks, op_id):
+    """Hold ``blocks`` for ``op_id`` if every one is free, under ``lock``: -1 (held now), else the
+    index in ``blocks`` of the first one already held (nothing changed), or -2 for a block id
+    outside ``holders``."""
+    take(lock)
+    n = holders.shape[0]
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if b < 0 or b >= n:
+            give(lock)
+            return -2
+        if holders[b] != 0:
+            give(lock)
+            return i
+    for i in range(blocks.shape[0]):
+        holders[blocks[i]] = op_id
+    give(lock)
+    return -1
+
+
+@numba.njit(**_JIT)
+def release_locked(lock, holders, blocks, op_id):
+    """Free those of ``blocks`` that ``op_id`` holds, under ``lock``; returns how many it did not hold."""
+    take(lock)
+    n = holders.shape[0]
+    foreign = 0
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if 0 <= b < n and holders[b] == op_id:
+            holders[b] = 0
+        else:
+            foreign += 1
+    give(lock)
+    return foreign
