@@ -112,7 +112,7 @@ def run_one(device: str, clients: int, rounds: int, reply_spin, receive_spin, dr
         if switch_interval is not None:
             extra["switch_interval_s"] = switch_interval
         cfg = ServiceConfig(socket_path=path, host_budget_bytes=1 << 30, receive_spin_s=receive_spin, **extra)
-        with CacheService(cfg) as svc, CacheClient(path, timeout=300) as client:
+        with CacheService(cfg) as svc, CacheClient(path, timeout=300, fast_lane=False) as client:
             for key, kv, pos in bs.originals():
                 client.put(key, kv, pos)
             warm_up(client, device)

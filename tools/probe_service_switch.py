@@ -49,7 +49,7 @@ def main() -> None:
     d = tempfile.mkdtemp(prefix="kmsp-")
     path = os.path.join(d, "svc", "kmesh.sock")
     with CacheService(ServiceConfig(socket_path=path, host_budget_bytes=1 << 30)), \
-            CacheClient(path, timeout=120) as client:
+            CacheClient(path, timeout=120, fast_lane=False) as client:
         for key, kv, pos in bs.originals():
             client.put(key, kv, pos)
         cache = layout.allocate(device, fill=0)

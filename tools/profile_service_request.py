@@ -89,7 +89,7 @@ def main() -> None:
         items = [RestoreItem(k, s, p) for k, s, p in plan]
         shared, registrable, _ = bs._alloc(layout, args.device)
         prof = cProfile.Profile()
-        with CacheClient(path, timeout=120) as client:
+        with CacheClient(path, timeout=120, fast_lane=False) as client:
             for key, kv, pos in bs.originals():
                 client.put(key, kv, pos)
             reg = client.register(registrable, layout, rope=rope)

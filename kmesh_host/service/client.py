@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import math
 import operator
+import os
 import socket
 import threading
 import time
@@ -30,6 +32,7 @@ import torch
 from kmesh_gpu import _launch  # driver-level event records
 from kmesh_gpu.errors import KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
+from . import lane as _lane
 from . import protocol
 from . import vmm
 from .memory import MemoryHandle, SharedCache, export_cuda
@@ -139,6 +142,28 @@ def _vmm_export(tensor: torch.Tensor, device: int):
         return None
 
 
+def _lane_vector(x, keep: list):
+    """``(address, length)`` of a non-empty contiguous int64 CPU tensor or NumPy array (a list of
+    ints is converted, the array kept in ``keep``), else ``None``."""
+    if type(x) is list:
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if x.dtype.kind not in "iu" or x.ndim != 1:  # floats, bools, nested: the socket path names the error
+            return None
+        x = x.astype(np.int64, copy=False)  # (uint64 beyond int64 wraps negative: refused as a slot)
+        keep.append(x)
+    if type(x) is torch.Tensor:
+        if x.dtype is torch.int64 and x.dim() == 1 and not x.is_cuda and x.is_contiguous() and x.shape[0] \
+                and x.device.type == "cpu":
+            return x.data_ptr(), x.shape[0]
+        return None
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous and x.shape[0]:
+        return x.ctypes.data, x.shape[0]
+    return None
+
+
 def _export_one(cache, layout, name: str):
     """``(handle, tensor, VMM chunk handles or None, their driver or None)`` of one allocation of
     ``layout``'s physical shape: a SharedCache, a VmmCache or a CUDA tensor."""
@@ -215,7 +240,8 @@ class CacheClient:
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
-                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None):
+                 max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None,
+                 fast_lane: bool = True):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ServiceError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.socket_path = socket_path
@@ -231,6 +257,12 @@ class CacheClient:
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
+        #: restores the fast lane can serve go through it (see :mod:`.lane`); the rest through the socket
+        self.fast_lane = bool(fast_lane)
+        self._lanes: dict[int, _lane.ClientLane] = {}  # reg id -> this connection's lane
+        self._no_lane: set[int] = set()  # registrations the service opens no lane for
+        #: restores served through a lane / sent through the socket while ``fast_lane`` was on
+        self.lane_counts = {"lane": 0, "socket": 0}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -349,6 +381,9 @@ class CacheClient:
                 self._sock.close()
                 self._sock = None
             self._events.clear()
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -483,6 +518,17 @@ class CacheClient:
         secret = reg.secret_bytes
         if secret is None or len(secret) != protocol.SECRET_BYTES:
             raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
+        if self.fast_lane and wait and not inject and not timings and reg.is_cuda:
+            if not isinstance(items, (list, tuple)):
+                try:
+                    items = list(items)
+                except TypeError as exc:
+                    raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") \
+                        from exc
+            if self._lane_restore(reg, items, timeout, model_fingerprint):
+                self.lane_counts["lane"] += 1
+                return 0
+            self.lane_counts["socket"] += 1
         keys, slot_counts, position_counts, arrays, shifts = [], [], [], [], []
         keep: list = []  # tensors sent from their own memory, alive until the frame is sent
         try:
@@ -543,6 +589,147 @@ class CacheClient:
             self.last_timings = {"client": stamps, "service": reply.timings or {}}
         return reply.op_id
 
+    # ------------------------------------------------------------------ the fast lane
+    def _lane_restore(self, reg: Registration, items, timeout, model_fingerprint) -> bool:
+        """Serve ``items`` through this connection's lane of ``reg`` (opened on first use): ``True``
+        once restored; ``False`` when the lane does not serve this request (the caller sends it
+        through the socket, where any error is named)."""
+        J = _lane.jit()
+        if J is None:
+            return False
+        J = J[0]
+        n = len(items)
+        if not 0 < n <= J.MAX_ITEMS:
+            return False
+        lane = self._lanes.get(reg.reg_id)
+        if lane is not None and lane.closed is not False:
+            self._drop_lane(reg.reg_id)
+            lane = None
+        if lane is None:
+            if reg.reg_id in self._no_lane:
+                return False
+            lane = self._open_lane(reg)
+            if lane is None:
+                return False
+        fp = None if model_fingerprint is None else json.dumps(model_fingerprint, sort_keys=True)
+        parsed, keep = [], []  # keep: arrays made from lists here, alive until the request is written
+        shifted = None
+        for it in items:
+            if type(it) is RestoreItem:
+                key, slots, new_positions = it.key, it.slots, it.new_positions
+            elif type(it) is tuple and len(it) == 3:
+                key, slots, new_positions = it
+            elif type(it) is tuple and len(it) == 2:
+                (key, slots), new_positions = it, None
+            else:
+                return False
+            s = _lane_vector(slots, keep)
+            p = None if new_positions is None else _lane_vector(new_positions, keep)
+            if type(key) is not str or s is None or (new_positions is not None and (p is None or p[1] != s[1])):
+                return False
+            if shifted is None:
+                shifted = p is not None
+                if shifted and not lane.shifted:
+                    return False  # the registration's RoPE spec is not one the lane's kernel applies
+            elif shifted != (p is not None):
+                return False  # some shifted, some not: the socket path places them apart
+            parsed.append((key, s, p))
+        handles = lane.handles
+        missing = [k for k, _, _ in parsed if (k, fp) not in handles]
+        if missing:
+            header = {"op": "lane_keys", **self._auth(reg), "lane": lane.op_id, "keys": list(dict.fromkeys(missing))}
+            if model_fingerprint is not None:
+                header["model_fingerprint"] = model_fingerprint
+            try:
+                got = self.call(header).header.get("handles")
+            except KmeshError:  # a missing key, another fingerprint: the socket path says so
+                return False
+            if not isinstance(got, list) or len(got) != len(header["keys"]):
+                raise ProtocolError("reply to 'lane_keys': expected one handle per key")
+            for k, hnd in zip(header["keys"], got):
+                if hnd is not None:
+                    handles[(k, fp)] = tuple(hnd)
+            if any((k, fp) not in handles for k in missing):
+                return False
+        rows, srcs = lane.items, lane.srcs
+        T = 0
+        for i, (key, s, p) in enumerate(parsed):
+            row, gen, count = handles[(key, fp)]
+            if count != s[1]:
+                return False
+            rows[3 * i], rows[3 * i + 1], rows[3 * i + 2] = row, gen, count
+            srcs[i] = s[0]
+            if p is not None:
+                srcs[n + i] = p[0]
+            T += count
+        flags = J.SHIFTED if shifted else 0
+        deadline = time.monotonic() + (self.timeout if timeout is None else min(float(timeout), self.timeout))
+        with self._lock:
+            if lane.closed is not False:
+                return False
+            # the client's earlier work on these blocks comes first: with work queued on this
+            # thread's stream, the lane's event is recorded after it and the copy waits for it (under
+            # the lock: no other request re-records it before the service has queued that wait)
+            stream = _launch.current_stream(reg.device_index)
+            if _launch.stream_query(stream) is not True:
+                if not _launch.record_event(lane.event.cuda_event, stream):
+                    lane.event.record(torch.cuda.current_stream(reg.device_index))
+                flags |= J.AFTER_EVENT
+            code = lane.call(n, T, flags, deadline)
+        if code == J.OK:
+            return True
+        if code == J.STALE:
+            handles.clear()
+        elif code in (J.CLOSED, J.GONE):
+            self._drop_lane(reg.reg_id)
+        elif code == J.STUCK:
+            self._drop_lane(reg.reg_id)
+            exc = ServiceError(f"restore through lane {lane.op_id}: its copy's completion could not be observed; "
+                               f"its blocks stay held until the lane's operation {lane.op_id} drains")
+            exc.op_id = lane.op_id
+            raise exc
+        return False  # declined, busy, refused by the driver: nothing of it is in flight
+
+    def _open_lane(self, reg: Registration):
+        """This connection's lane for ``reg``, or ``None`` (remembered when the service has none for it)."""
+        if _lane.functions(False) is None:
+            self._no_lane.add(reg.reg_id)
+            return None
+        max_tokens = min(reg.layout.num_slots, _lane.MAX_TOKENS)
+        page, fd = _lane.Page.create(max_tokens)
+        efds = [_lane.new_eventfd(), _lane.new_eventfd()]
+        try:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(reg.device_index))  # creates it on the cache's device
+
+            def send_descriptors(sock):
+                socket.send_fds(sock, [vmm.FD_MARK], [fd, *efds])
+
+            h = self._call({"op": "lane", **self._auth(reg), "fds": 3, "max_tokens": max_tokens,
+                            "event": bytes(event.ipc_handle()).hex()}, after=send_descriptors).header
+            lane = _lane.ClientLane(reg.reg_id, protocol.field(h, "lane", int), page, efds[0], efds[1])
+            lane.shifted = protocol.field(h, "shifted", bool)
+            lane.event = event
+        except BaseException as exc:
+            page.close()
+            for x in efds:
+                os.close(x)
+            if isinstance(exc, ServiceError):  # no lane for this registration here
+                self._no_lane.add(reg.reg_id)
+                return None
+            if isinstance(exc, KmeshError):  # closed, not this client's: the socket path says so
+                return None
+            raise
+        finally:
+            os.close(fd)
+        self._lanes[reg.reg_id] = lane
+        return lane
+
+    def _drop_lane(self, reg_id: int) -> None:
+        lane = self._lanes.pop(reg_id, None)
+        if lane is not None:
+            lane.close()
+
     def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
              timeout: float | None = None, inject: dict | None = None) -> int:
         """Copy the registration's ``slots`` into a new host original ``key`` (published once drained)."""
@@ -583,4 +770,5 @@ class CacheClient:
         h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
         with self._lock:
             self._events.pop(reg.reg_id, None)
+            self._drop_lane(reg.reg_id)
         return protocol.field(h, "freed", bool)

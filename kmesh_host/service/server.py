@@ -61,6 +61,7 @@ from kmesh_gpu.errors import DrainError, KmeshError, LayoutError, OwnershipError
 
 from .._streams import _ids, on_stream
 from . import _compiled, protocol
+from . import lane as _lane
 from .completions import CudaEventCompletion, RefusingCompletion
 from .memory import DeviceMappings, LayerMappings, MemoryHandle, open_handle
 from .registry import Completion, Finished, PeerIdentity, Registry
@@ -170,7 +171,10 @@ class _Service:
         self.sources = TieredSource(HostOriginals(config.host_budget_bytes, pin=self.cuda), store)
         host = self.sources.host
         self.device_originals = DeviceOriginals(config.device_budget_bytes,
-                                                is_current=lambda key, seg: host.get_many((key,))[0] is seg)
+                                                is_current=lambda key, seg: host.get_many((key,))[0] is seg,
+                                                on_drop=self._forget_in_lanes)
+        #: open fast lanes by their operation id (see .lane)
+        self._lanes: dict[int, _lane.ServiceLane] = {}
         self.device_mappings = DeviceMappings()
         self.registry = Registry(self._release_memory)
         self._stop = threading.Event()
@@ -215,6 +219,7 @@ class _Service:
             _compiled.compiled()
             if self.cuda:
                 _launch.driver_jit()
+                _lane.warm_up()
         except Exception:  # each has its own fallback when called again; report and go on
             traceback.print_exc(file=sys.stderr)
         finally:
@@ -347,6 +352,7 @@ class _Service:
                 self._conns.pop(conn_id, None)
                 self._conn_events.pop(conn_id, None)  # ops that waited on one keep it in their keepalive
             conn.close()
+            self._stop_lanes(conn_id=conn_id)
             self.registry.connection_closed(conn_id)
 
     def _send(self, conn, header: dict, body: bytes = b"") -> bool:
@@ -578,7 +584,7 @@ class _Service:
                "fault_injection": self.config.allow_fault_injection, "counters": counters,
                "sources": {**self.sources.stats(), **self.device_originals.stats()},
                "open_ipc_mappings": len(self.device_mappings), "switch_interval_s": sys.getswitchinterval(),
-               "warm": self._warm.is_set(), "warm_up_s": self._warm_up_s, **snap}
+               "warm": self._warm.is_set(), "warm_up_s": self._warm_up_s, "lanes": self._lane_stats(), **snap}
         if self.cuda and torch.cuda.is_initialized():
             out["device_memory_allocated"] = torch.cuda.memory_allocated()
         return out, b""
@@ -617,6 +623,7 @@ class _Service:
         # after the drop below finds it no longer current and keeps no device copy of it.
         evicted = self.sources.delete(key)
         self.device_originals.drop(key)
+        self._forget_in_lanes(key)
         return {"key": key, "evicted": evicted}, b""
 
     def op_register(self, h, body, peer, conn_id):
@@ -883,7 +890,10 @@ class _Service:
     def op_drain(self, h, body, peer, conn_id):
         reg = self._authorize(h, peer, for_new_work=False)
         ids = protocol.int_list(h, "ops", optional=True)
-        ops = self.registry.pending_ops(reg) if ids is None else [self.registry.op(reg, i) for i in ids]
+        if ids is None:  # every copy in flight; a lane's restores drain before their replies (it is stopped by close)
+            ops = [op for op in self.registry.pending_ops(reg) if self._live_lane(op) is None]
+        else:
+            ops = [self.registry.op(reg, i) for i in ids]
         self.registry.drain(ops, protocol.timeout_field(h))
         return {"drained": [op.op_id for op in ops]}, b""
 
@@ -891,7 +901,13 @@ class _Service:
         reg = self._authorize(h, peer)
         blocks = self.registry.check_blocks(reg, protocol.int_list(h, "blocks"))
         timeout = protocol.timeout_field(h)
-        ops = self.registry.pending_ops(reg, blocks)
+        ops = []
+        for op in self.registry.pending_ops(reg, blocks):
+            lane = self._live_lane(op)
+            if lane is None:
+                ops.append(op)
+            else:  # a lane's restore in flight holds them until its completion: wait for its lock
+                lane.barrier()
         self.registry.drain(ops, timeout)
         return {"blocks": sorted(blocks), "drained": [op.op_id for op in ops]}, b""
 
@@ -899,6 +915,7 @@ class _Service:
         reg = self._authorize(h, peer, for_new_work=False)
         timeout = protocol.timeout_field(h)  # checked before anything changes
         self.registry.close(reg)
+        self._stop_lanes(reg=reg, drain=False)  # no new work through them either; drained below
         events = self._conn_events.get(conn_id)
         if events is not None:
             events.pop(reg.reg_id, None)
@@ -910,9 +927,164 @@ class _Service:
         return {"reg": reg.reg_id, "freed": freed, "pending_ops": sorted(reg.ops)}, b""
 
 
+    # ------------------------------------------------------------------ fast lanes (see .lane)
+    def op_lane(self, h, body, peer, conn_id):
+        """Open a fast lane for a registration: its page and eventfds follow the frame (3 descriptors)."""
+        from .vmm import FdStream
+
+        nfds = protocol.field(h, "fds", int, optional=True, default=0)
+        if not 0 <= nfds <= 3:
+            raise ProtocolError(f"fds: {nfds} outside 0..3")
+        with self._lock:
+            sock = self._conns.get(conn_id)
+        fds = FdStream(sock, nfds, self.config.frame_timeout_s)
+        got: list[int] = []
+        try:
+            reg = self._authorize(h, peer)
+            if nfds != 3:
+                raise ProtocolError("lane: expected 3 file descriptors (the page, the service's and the client's eventfd)")
+            fds.read(lambda fd: got.append(os.dup(fd)), 3)
+            lane = self._open_lane(reg, conn_id, got, h)
+            got = got[:1]  # the page's descriptor (mapped now); the lane owns the eventfds
+        finally:
+            fds.drain()
+            for fd in got:
+                os.close(fd)
+        return {"lane": lane.op.op_id, "rows": _lane.ROWS, "max_items": _lane.jit()[0].MAX_ITEMS,
+                "shifted": lane.has_rope}, b""
+
+    def _open_lane(self, reg, conn_id: int, fds: list[int], h: dict):
+        extra = reg.extra
+        found = _lane.jit()
+        if found is None or not extra["on_cuda"]:
+            raise ServiceError("lane: not available for this registration (GPU registrations, with Numba, only)")
+        want = min(reg.num_slots, _lane.MAX_TOKENS)
+        max_tokens = protocol.field(h, "max_tokens", int)
+        if max_tokens != want:
+            raise ProtocolError(f"lane.max_tokens: expected {want} for registration {reg.reg_id}, got {max_tokens}")
+        from kmesh_gpu import _place_driver
+
+        state = _place_driver._state()
+        P = _place_driver._place()
+        if state is None or not (P._FAST and P._COMPILED and P._RUNS and _place_driver.ENABLED and _launch.ENABLED) \
+                or self.config.backend not in ("auto", "cupy"):
+            raise ServiceError("lane: the run kernel's compiled driver path is not available in this service")
+        cache, layout, rope = extra["cache"], reg.layout, extra["rope"]
+        lanes, facts = {}, None
+        with torch.cuda.device(extra["device_index"]):
+            for shifted in (False, True) if rope is not None else (False,):
+                f = P._facts(cache, layout, rope if shifted else None, "cache")
+                lanes[shifted] = _place_driver._lane(f, layout, rope if shifted else None, state) \
+                    if f is not None and f.ok else False
+                facts = facts or f
+        if not lanes[False]:
+            raise ServiceError("lane: this registration's cache is not one the run kernel's compiled path serves")
+        event_hex = protocol.field(h, "event", str)
+        try:
+            raw = bytes.fromhex(event_hex)
+        except ValueError as exc:
+            raise ProtocolError("event: expected hex bytes") from exc
+        if len(raw) != protocol.EVENT_HANDLE_BYTES:
+            raise ProtocolError(f"event: a CUDA IPC event handle has {protocol.EVENT_HANDLE_BYTES} bytes, got {len(raw)}")
+        try:
+            client_event = torch.cuda.Event.from_ipc_handle(extra["device"], raw)
+        except RuntimeError as exc:
+            raise ProtocolError(f"event: cannot open the CUDA IPC event handle: {exc}") from exc
+        page = _lane.Page.adopt(fds[0], max_tokens)
+        try:
+            lane = _lane.ServiceLane(reg, conn_id, page, fds[1], fds[2], lanes, facts.layer_base, facts.kv_shape,
+                                     extra["device_index"], client_event)
+        except BaseException:
+            page.close()
+            raise
+        op = self.registry.begin(reg, "lane", np.empty(0, dtype=np.int64))
+        self.registry.submitted(op, _lane.LaneCompletion(lane), outcome="ok", keepalive=[lane],
+                                on_drained=self._lane_drained)
+        with self._lock:
+            self._lanes[op.op_id] = lane
+        lane.start(op)
+        return lane
+
+    def op_lane_keys(self, h, body, peer, conn_id):
+        """Rows of a lane for the originals ``keys`` (``null`` for one the lane cannot read: not in
+        the device tier, another shape): ``[row, generation, tokens]`` each."""
+        reg = self._authorize(h, peer)
+        lane_id = protocol.field(h, "lane", int)
+        with self._lock:
+            lane = self._lanes.get(lane_id)
+        if lane is None or lane.reg is not reg or lane.conn_id != conn_id:
+            raise OwnershipError(f"lane {lane_id}: not open on this connection for registration {reg.reg_id}")
+        keys = protocol.field(h, "keys", list)
+        if not 0 < len(keys) <= _lane.jit()[0].MAX_ITEMS or any(type(k) is not str for k in keys):
+            raise ProtocolError(f"keys: expected 1..{_lane.jit()[0].MAX_ITEMS} strings")
+        segs = self.sources.get_many(keys, model_fingerprint=protocol.field(h, "model_fingerprint", dict,
+                                                                             optional=True))
+        device = reg.extra["device"]
+        copies = self.device_originals.get_many(keys, segs, device)
+        host = self.sources.host
+        out = []
+        for key, seg, copy in zip(keys, segs, copies):
+            got = None
+            if copy is not None:
+                if not copy.uploaded:
+                    copy.ready.synchronize()
+                    copy.uploaded = True
+                got = lane.row(key, copy.kv, seg.positions, (seg, copy))
+                # an evict (or the tier letting the copy go) after the lookup above: its row is dropped
+                if got is not None and (host.get_many((key,))[0] is not seg
+                                        or self.device_originals.current(key, device) is not copy):
+                    lane.forget(key)
+                    got = None
+            out.append(list(got) if got is not None else None)
+        return {"handles": out}, b""
+
+    def _live_lane(self, op):
+        """The lane whose operation ``op`` is, unless it is stuck (then it drains like a copy)."""
+        if op.kind != "lane":
+            return None
+        with self._lock:
+            lane = self._lanes.get(op.op_id)
+        return lane if lane is not None and not lane.stuck else None
+
+    def _lane_drained(self, op) -> None:
+        with self._lock:
+            lane = self._lanes.pop(op.op_id, None)
+        if lane is not None:
+            lane.release()
+
+    def _stop_lanes(self, *, conn_id: int | None = None, reg=None, drain: bool = True) -> None:
+        """Stop the lanes opened on connection ``conn_id`` (and drain them), or shut those of ``reg``."""
+        with self._lock:
+            lanes = [x for x in self._lanes.values() if (conn_id is not None and x.conn_id == conn_id)
+                     or (reg is not None and x.reg is reg)]
+        for lane in lanes:
+            if not drain:
+                lane.shut()
+                continue
+            try:
+                self.registry.drain_one(lane.op, self.config.shutdown_drain_s)
+            except DrainError:  # stuck: it stays pending, holding its blocks, until a later drain succeeds
+                pass
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
+
+    def _forget_in_lanes(self, key: str) -> None:
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.forget(key)
+
+    def _lane_stats(self) -> dict:
+        with self._lock:
+            lanes = list(self._lanes.values())
+        return {"open": len(lanes), "served": sum(x.served for x in lanes),
+                "declined": sum(x.declined for x in lanes), "stuck": sum(x.stuck for x in lanes)}
+
+
 _HANDLERS = {
     "status": _Service.op_status, "put": _Service.op_put, "get": _Service.op_get, "evict": _Service.op_evict,
     "register": _Service.op_register, "attach": _Service.op_attach, "restore": _Service.op_restore,
     "save": _Service.op_save, "cancel": _Service.op_cancel, "drain": _Service.op_drain,
-    "acquire": _Service.op_acquire, "close": _Service.op_close,
+    "acquire": _Service.op_acquire, "close": _Service.op_close, "lane": _Service.op_lane,
+    "lane_keys": _Service.op_lane_keys,
 }

@@ -274,11 +274,19 @@ def test_device_copy_of_an_original_follows_evict_and_republish(client):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lane", [False, True], ids=["socket", "lane"])
 @pytest.mark.parametrize("shift", [True, False], ids=["rope", "copy"])
-def test_the_usual_restore_is_prepared_from_the_request_body_as_it_is(client, shift):
-    """A CUDA restore whose items all shift (or none does) into a layout the run kernel covers is
-    prepared from the request's index arrays as they are (one compiled preparation, the status
-    counts it), and lands exactly as the per-item preparation in the client's process."""
+def test_the_usual_restore_is_prepared_from_the_request_body_as_it_is(service, shift, lane):
+    """Through the socket: a CUDA restore whose items all shift (or none does) into a layout the
+    run kernel covers is prepared from the request's index arrays as they are (one compiled
+    preparation, the status counts it); through a fast lane the same restore is served by the
+    lane's compiled loop (the lane counts it). Both land exactly as the torch reference."""
+    with CacheClient(service.socket_path, timeout=120, fast_lane=lane) as client:
+        _usual_restore(client, shift, lane)
+
+
+def _usual_restore(client, shift: bool, lane: bool):
+    """The restore of the test above, through ``client``."""
     from kmesh_gpu import KVLayout, RopeSpec
 
     layout = KVLayout.from_vllm("NHD", num_layers=3, num_blocks=24, block_size=16, num_kv_heads=2, head_size=64,
@@ -302,12 +310,17 @@ def test_the_usual_restore_is_prepared_from_the_request_body_as_it_is(client, sh
         olds.append(old)
         slots.append(s)
         news.append(new)
+    torch.cuda.synchronize()
     before = client.status()["counters"]
     try:
         client.restore(reg, items)
         after = client.status()["counters"]
-        assert after["placements_one_array"] == before["placements_one_array"] + 1
         assert after["placements_per_item"] == before["placements_per_item"]
+        if lane:
+            assert client.lane_counts == {"lane": 1, "socket": 0}
+            assert after["placements_one_array"] == before["placements_one_array"]
+        else:
+            assert after["placements_one_array"] == before["placements_one_array"] + 1
         ref = layout.allocate("cuda", fill=POISON)
         kw = dict(rope=rope, old_positions=olds, new_positions=news) if shift else {}
         place_many(kvs, ref, layout, slots, backend="torch", **kw)

@@ -22,8 +22,9 @@ def service():
         yield svc
 
 
+@pytest.mark.parametrize("lane", [False, True], ids=["socket", "lane"])
 @pytest.mark.parametrize("name", ["NHD", "HND"])
-def test_per_layer_cuda_allocations_restore_bit_exact(service, name):
+def test_per_layer_cuda_allocations_restore_bit_exact(service, name, lane):
     from kmesh_host.service import CacheClient
 
     layout = KVLayout.from_vllm(name, num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_size=64,
@@ -39,16 +40,18 @@ def test_per_layer_cuda_allocations_restore_bit_exact(service, name):
     place_many([kv.cuda()], [ref], layout, [torch.tensor(slots)], rope=rope, old_positions=[pos],
                new_positions=[torch.tensor(new)], backend="torch")
     torch.cuda.synchronize()
-    key = f"layers-{name}-{os.getpid()}"
-    with CacheClient(service.socket_path) as client:
+    key = f"layers-{name}-{lane}-{os.getpid()}"
+    with CacheClient(service.socket_path, fast_lane=lane) as client:
         client.put(key, kv, pos)
         reg = client.register(layers, layout, rope=rope)
         try:
             assert registration_of(client.status(), reg.reg_id)["memory"] == "cuda_ipc"
             before = client.status()["counters"]["placements_one_array"]
             client.restore(reg, [(key, slots, new)])
-            # per-layer allocations take the one compiled preparation, as one allocation does
-            assert client.status()["counters"]["placements_one_array"] == before + 1
+            if lane:  # served by the fast lane's compiled loop
+                assert client.lane_counts == {"lane": 1, "socket": 0}
+            else:  # per-layer allocations take the one compiled preparation, as one allocation does
+                assert client.status()["counters"]["placements_one_array"] == before + 1
             torch.cuda.synchronize()
             for got, want in zip(layers, ref):
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
