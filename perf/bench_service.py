@@ -42,6 +42,13 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   start to the last one's end), latency, errors, and the service's device memory and open IPC
   mappings before and after (they must return to the baseline).
 
+* Fast lane (CUDA; ``--no-lane`` skips it): the same paired comparison, a back-to-back row and the
+  16 clients again with ``CacheClient(fast_lane=True)``, whose restores go through a polled page of
+  shared memory to a compiled loop in the service (``kmesh_host.service.lane``); the report says how
+  many each path served. Back to back, the in-process restore is also timed through the one compiled
+  call of ``kmesh_gpu._place_driver.place_now`` (the host-tier route's): a lane runs the same
+  compiled preparation, so the lane against it shows what the service itself adds.
+
 * Stage breakdown (``--timing-runs``, 21 by default, after the paired runs so they do not perturb
   them): further service restores with ``timings=True``; prints the median time between
   consecutive stages (client: start, built, sent, received; service: received, parsed, validated,
@@ -181,6 +188,26 @@ def in_process_restore(cache, layout, rope, resident_originals, plan, device: st
     sync(device)
 
 
+def in_process_compiled(cache, layout, rope, resident_originals, plan, device: str) -> None:
+    """The same restore in-process through the one compiled call the host-tier route uses
+    (``kmesh_gpu._place_driver.place_now``: indices gathered, checked, tabulated, uploaded and the
+    run kernel launched in compiled code), then a synchronisation: the fastest in-process path,
+    what a lane's compiled request path is compared with besides ``place_many``."""
+    from kmesh_gpu import _place_driver
+
+    addrs, shapes, slots, old, new = [], [], [], [], []
+    for (key, kv, pos), (_, slot, newpos) in zip(resident_originals, plan):
+        addrs.append(kv.data_ptr())
+        shapes.append(tuple(kv.shape))
+        slots.append(as_index_tensor(slot))
+        old.append(pos)
+        new.append(as_index_tensor(newpos))
+    if not _place_driver.place_now(addrs, shapes, resident_originals[0][1].dtype, cache, layout, slots, rope=rope,
+                                   old_positions=old, new_positions=new):
+        raise RuntimeError("place_now declined the seed child")
+    sync(device)
+
+
 def _alloc(layout, device, per_layer: bool = False):
     """``(shared memory to close or None, what is registered, the cache as the service writes it)``;
     ``per_layer``: one allocation per layer, as vLLM makes them (lists)."""
@@ -215,12 +242,13 @@ def _close(shared) -> None:
         x.close()
 
 
-def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out) -> None:
-    errors, times, first, start, end = [], [], None, None, None
+def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out,
+                 fast_lane: bool = False) -> None:
+    errors, times, first, start, end, counts = [], [], None, None, None, None
     try:
         layout, plan = child_layout(), index_inputs(child_plan(), inputs)
         shared, registrable, _ = _alloc(layout, device)
-        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s) as c:
+        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s, fast_lane=fast_lane) as c:
             reg = c.register(registrable, layout, rope=child_rope())
             items = [RestoreItem(k, s, p) for k, s, p in plan]
             # one restore before the start line: the first opens this client's interprocess event
@@ -241,6 +269,7 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
                     errors.append(f"{type(exc).__name__}: {exc}")
                 times.append(time.perf_counter() - t0)
             end = time.monotonic()
+            counts = dict(c.lane_counts)
             if not c.close_registration(reg, timeout=120):
                 errors.append("close_registration: copies still pending")
         if shared is not None:
@@ -248,7 +277,8 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
             shared.close()
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
-    out.put({"pid": os.getpid(), "errors": errors, "times": times, "first_s": first, "start": start, "end": end})
+    out.put({"pid": os.getpid(), "errors": errors, "times": times, "first_s": first, "start": start, "end": end,
+             "lane_counts": counts})
 
 
 def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = None, timing_runs: int | None = None,
@@ -333,7 +363,7 @@ def stage_medians(rows) -> list:
     return out
 
 
-def back_to_back(args, client) -> dict:
+def back_to_back(args, client, lane_client=None) -> dict:
     """Each path run ``args.back_to_back`` times in a row (medians, us): the steady state of a
     worker that restores through one path only. The paired runs above alternate the paths, and on
     a GPU without MPS every switch between the client's and the service's CUDA contexts costs both
@@ -360,25 +390,38 @@ def back_to_back(args, client) -> dict:
 
     rows = {"in_process": timed(lambda: in_process_restore(local, layout, rope, resident, plan, device)),
             "service_default_stream": timed(lambda: client.restore(reg, items))}
+    compiled_ok = None
+    if device == "cuda":
+        local2 = layout.allocate(device, fill=0)
+        rows["in_process_compiled"] = timed(lambda: in_process_compiled(local2, layout, rope, resident, plan, device))
+        compiled_ok = torch.equal(_bytes(local), _bytes(local2))
     if device == "cuda":
         with torch.cuda.stream(torch.cuda.Stream()):
             rows["service_idle_side_stream"] = timed(lambda: client.restore(reg, items))
     client.close_registration(reg, timeout=120)
+    if lane_client is not None:
+        lane_reg = lane_client.register(registrable, layout, rope=rope)
+        rows["service_lane"] = timed(lambda: lane_client.restore(lane_reg, items))
+        lane_client.close_registration(lane_reg, timeout=120)
     registrable = None
     if shared is not None:
         shared.close()
     rows["ratios"] = {k: rows[k] / rows["in_process"] for k in rows if k.startswith("service")}
-    return {"runs": args.back_to_back, "median_us": rows}
+    if "service_lane" in rows and "in_process_compiled" in rows:
+        rows["lane_to_in_process_compiled"] = rows["service_lane"] / rows["in_process_compiled"]
+    return {"runs": args.back_to_back, "median_us": rows, "in_process_compiled_identical": compiled_ok}
 
 
-def concurrent(args, client, socket_path, on_start=None, on_end=None) -> dict:
+def concurrent(args, client, socket_path, on_start=None, on_end=None, fast_lane: bool = False) -> dict:
     """``on_start()`` / ``on_end()``: called as the clients pass their start line and once every
-    client has reported (tools measuring the service around the run)."""
+    client has reported (tools measuring the service around the run). ``fast_lane``: the clients
+    restore through lanes (``CacheClient(fast_lane=True)``)."""
     ctx = mp.get_context("spawn")
     before = client.status()
     barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_proc,
-                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, barrier, out))
+                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, barrier, out,
+                               fast_lane))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -416,7 +459,10 @@ def concurrent(args, client, socket_path, on_start=None, on_end=None) -> dict:
     window = max(ends) - min(starts) if starts and len(ends) == len(results) else None
     firsts = [r["first_s"] for r in results if r["first_s"] is not None]
     mem_key = "device_memory_allocated"
+    served = [r["lane_counts"] for r in results if r.get("lane_counts")]
     return {"clients": args.clients, "rounds": args.rounds, "restores": restores, "errors": len(errors),
+            "fast_lane": fast_lane, "through_lane": sum(c["lane"] for c in served),
+            "through_socket": sum(c["socket"] for c in served),
             "error_samples": errors[:5], "wall_s": wall, "window_s": window,
             "restores_per_s": restores / window if window else None,
             "latency_median_ms": statistics.median(times) * 1e3 if times else None,
@@ -533,6 +579,8 @@ def main(argv=None) -> int:
                          "0 on cpu; 0: skip)")
     ap.add_argument("--floor-rounds", type=int, default=201,
                     help="round trips of the transport floor (0: skip it)")
+    ap.add_argument("--no-lane", action="store_true",
+                    help="skip the fast lane's runs (CacheClient(fast_lane=True); on cuda they run by default)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
     if args.shapes is None:
@@ -545,15 +593,24 @@ def main(argv=None) -> int:
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
     cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30, receive_spin_s=args.receive_spin_s)
-    with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s) as client:
+    lanes = args.device == "cuda" and not args.no_lane
+    with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s,
+                                        fast_lane=False) as client, \
+            CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s, fast_lane=True) as lane_client:
         spins = {"reply_spin_s": client.reply_spin_s,
                  "receive_spin_s": protocol.spin_default(args.receive_spin_s, 2e-3)}
         for key, kv, pos in originals():
             client.put(key, kv, pos)
         pair = paired(args, client, socket_path)
-        steady = back_to_back(args, client) if args.back_to_back > 0 else None
+        lane_pair = None
+        if lanes:
+            lane_pair = paired(args, lane_client, socket_path, timing_runs=0)
+            lane_pair["served"] = dict(lane_client.lane_counts)
+        steady = back_to_back(args, client, lane_client if lanes else None) if args.back_to_back > 0 else None
         sweep = shape_sweep(args, client, socket_path)
         conc = concurrent(args, client, socket_path) if args.clients > 0 else None
+        conc_lane = concurrent(args, client, socket_path, fast_lane=True) if args.clients > 0 and lanes else None
+        lane_status = client.status().get("lanes")
         counters = client.status()["counters"]
         placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item")}
     shutil.rmtree(sock_dir, ignore_errors=True)
@@ -568,7 +625,8 @@ def main(argv=None) -> int:
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
               "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
-              "concurrent": conc, "service_placements": placements,
+              "concurrent": conc, "service_placements": placements, "lane_paired": lane_pair,
+              "lane_concurrent": conc_lane, "lane_status": lane_status,
               "transport_floor": floor, "larger_children": sweep,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
@@ -594,18 +652,35 @@ def main(argv=None) -> int:
         m = steady["median_us"]
         print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "
               + ", ".join(f"{k.replace('_', ' ')} {m[k]:.1f} us ({r:.2f}x)" for k, r in m["ratios"].items()))
+        if "in_process_compiled" in m:
+            lane = (f"; the lane {m['lane_to_in_process_compiled']:.2f}x of it"
+                    if "lane_to_in_process_compiled" in m else "")
+            print(f"  in-process through the compiled single call (_place_driver.place_now): "
+                  f"{m['in_process_compiled']:.1f} us, bit-identical to place_many: "
+                  f"{steady['in_process_compiled_identical']}{lane}")
     if pair["stages_us"]:
         print(f"service path stages, median of {args.timing_runs} restores (us):")
         for label, us in pair["stages_us"]:
             print(f"  {label:<42}{us:>10.1f}")
-    if conc:
-        rate = f"{conc['restores_per_s']:.1f}" if conc["restores_per_s"] else "n/a"
-        lat = (f"median latency {conc['latency_median_ms']:.2f} ms (p90 {conc['latency_p90_ms']:.2f}), "
-               if conc["latency_median_ms"] is not None else "")
-        first = (f"first restore per client {conc['first_restore_median_ms']:.2f} ms, "
-                 if conc["first_restore_median_ms"] is not None else "")
-        print(f"{conc['clients']} concurrent clients x {conc['rounds']} restores: {rate} restores/s (steady state), "
-              f"{lat}{first}errors {conc['errors']}, memory back to baseline: {conc['memory_back_to_baseline']}")
+    if lane_pair:
+        lo, hi = lane_pair["paired_ratio_quartiles"]
+        blk = lane_pair["median_block_ratio"]
+        print(f"fast lane (CacheClient(fast_lane=True)), paired with the in-process restore: medians "
+              f"{lane_pair['in_process_median_ms']:.3f} / {lane_pair['service_median_ms']:.3f} ms, paired ratio "
+              f"{lane_pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}), balanced blocks "
+              + (f"{blk:.3f}" if blk is not None else "n/a")
+              + f", bit-identical: {lane_pair['bit_identical']}, served {lane_pair['served']}")
+    for name, c in (("", conc), (" through lanes", conc_lane)):
+        if not c:
+            continue
+        rate = f"{c['restores_per_s']:.1f}" if c["restores_per_s"] else "n/a"
+        lat = (f"median latency {c['latency_median_ms']:.2f} ms (p90 {c['latency_p90_ms']:.2f}), "
+               if c["latency_median_ms"] is not None else "")
+        first = (f"first restore per client {c['first_restore_median_ms']:.2f} ms, "
+                 if c["first_restore_median_ms"] is not None else "")
+        served = f", served lane/socket {c['through_lane']}/{c['through_socket']}" if c["fast_lane"] else ""
+        print(f"{c['clients']} concurrent clients{name} x {c['rounds']} restores: {rate} restores/s (steady state), "
+              f"{lat}{first}errors {c['errors']}, memory back to baseline: {c['memory_back_to_baseline']}{served}")
     if floor:
         share = (f" = {floor['share_of_in_process_back_to_back']:.2f}x the in-process restore back to back "
                  f"(the target allows the service 0.15x above it)" if "share_of_in_process_back_to_back" in floor else "")
@@ -624,8 +699,10 @@ def main(argv=None) -> int:
     print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "
           f"per item: {placements['placements_per_item']}")
     print(f"wrote {path}")
-    ok = pair["bit_identical"] and all(r["bit_identical"] for r in sweep)
-    return 0 if ok and (conc is None or conc["errors"] == 0) else 1
+    ok = pair["bit_identical"] and all(r["bit_identical"] for r in sweep) \
+        and (lane_pair is None or lane_pair["bit_identical"]) \
+        and (steady is None or steady["in_process_compiled_identical"] is not False)
+    return 0 if ok and all(c is None or c["errors"] == 0 for c in (conc, conc_lane)) else 1
 
 
 if __name__ == "__main__":

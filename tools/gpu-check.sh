@@ -31,7 +31,7 @@ if [ "$what" = all ] || [ "$what" = perf ]; then
     [ -f "$script" ] || continue
     name=$(basename "$script" .py)
     echo "== $script"
-    timeout 300 python3 "$script" --device cuda --out "$logs/perf" > "$logs/perf/$name.txt" 2>&1
+    timeout 420 python3 "$script" --device cuda --out "$logs/perf" > "$logs/perf/$name.txt" 2>&1
     echo "exit $?" >> "$logs/perf/$name.txt"
     tail -40 "$logs/perf/$name.txt"
   done
