@@ -279,3 +279,50 @@ def test_sixteen_lanes_at_once(service, originals):
         wait_for(lambda: c.status()["lanes"]["open"] == 0, timeout=30)
         st = c.status()
         assert not st["registrations"] and not st["pending_ops"]
+
+
+def test_malformed_lane_requests_are_refused_and_the_service_serves_on(service, originals):
+    import socket as _socket
+
+    from kmesh_gpu.errors import ProtocolError
+    from kmesh_host.service import lane, vmm
+
+    layout = _layout()
+    event = torch.cuda.Event(interprocess=True)
+    event.record()
+    good_event = bytes(event.ipc_handle()).hex()
+    with CacheClient(service.socket_path, timeout=120, fast_lane=False) as c:
+        cache = _cache(layout)
+        reg = c.register(cache, layout, rope=_rope())
+
+        def open_lane(max_tokens=layout.num_slots, event_hex=good_event, seal=True):
+            if seal:
+                page, fd = lane.Page.create(layout.num_slots)
+            else:
+                page, fd = None, os.memfd_create("unsealed")
+                os.ftruncate(fd, lane.page_bytes(layout.num_slots))
+            efds = [lane.new_eventfd(), lane.new_eventfd()]
+            try:
+                header = {"op": "lane", "reg": reg.reg_id, "secret": reg.secret, "fds": 3, "max_tokens": max_tokens,
+                          "event": event_hex}
+                return c._call(header, after=lambda s: _socket.send_fds(s, [vmm.FD_MARK], [fd, *efds])).header
+            finally:
+                if page is not None:
+                    page.close()
+                for x in (fd, *efds):
+                    os.close(x)
+
+        with pytest.raises(ProtocolError, match="max_tokens"):
+            open_lane(max_tokens=5)
+        with pytest.raises(ProtocolError, match="event"):
+            open_lane(event_hex="zz")
+        with pytest.raises(ProtocolError, match="event"):
+            open_lane(event_hex="00" * 10)
+        with pytest.raises(ProtocolError, match="sealed"):
+            open_lane(seal=False)
+        assert c.status()["lanes"]["open"] == 0
+        ok = open_lane()  # a well-formed one is accepted
+        assert ok["lane"] > 0 and c.status()["lanes"]["open"] == 1
+        c.restore(reg, _items(originals, 0, True))  # (through the socket: this client has lanes off)
+        assert c.close_registration(reg, timeout=60) is True
+        assert c.status()["lanes"]["open"] == 0
