@@ -50,6 +50,7 @@ from kmesh_gpu.errors import ProtocolError, ServiceError
 from .registry import Completion
 
 ROWS = 256  # originals a lane can name at once (least recently looked up rows are reused)
+MAX_LANES_PER_REGISTRATION = 8  # (one per client connection that restores into it, usually one)
 MAX_TOKENS = 1 << 20  # tokens per request, at most (a page holds two int64 per token)
 SERVICE_SPIN_S = 2e-3  # how long the lane's thread polls an idle page before it sleeps
 CLIENT_SPIN_S = 2e-3  # how long a client polls for its reply before it sleeps

@@ -958,6 +958,10 @@ class _Service:
         found = _lane.jit()
         if found is None or not extra["on_cuda"]:
             raise ServiceError("lane: not available for this registration (GPU registrations, with Numba, only)")
+        with self._lock:
+            if sum(x.reg is reg for x in self._lanes.values()) >= _lane.MAX_LANES_PER_REGISTRATION:
+                raise ServiceError(f"lane: registration {reg.reg_id} has {_lane.MAX_LANES_PER_REGISTRATION} lanes "
+                                   "open already (each is a thread and a table region of the service)")
         want = min(reg.num_slots, _lane.MAX_TOKENS)
         max_tokens = protocol.field(h, "max_tokens", int)
         if max_tokens != want:

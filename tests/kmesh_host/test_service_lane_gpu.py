@@ -323,6 +323,13 @@ def test_malformed_lane_requests_are_refused_and_the_service_serves_on(service, 
         assert c.status()["lanes"]["open"] == 0
         ok = open_lane()  # a well-formed one is accepted
         assert ok["lane"] > 0 and c.status()["lanes"]["open"] == 1
+        for _ in range(lane.MAX_LANES_PER_REGISTRATION - 1):
+            open_lane()
+        from kmesh_gpu.errors import ServiceError
+
+        with pytest.raises(ServiceError, match="lanes open already"):  # each one is a thread of the service
+            open_lane()
+        assert c.status()["lanes"]["open"] == lane.MAX_LANES_PER_REGISTRATION
         c.restore(reg, _items(originals, 0, True))  # (through the socket: this client has lanes off)
         assert c.close_registration(reg, timeout=60) is True
         assert c.status()["lanes"]["open"] == 0
