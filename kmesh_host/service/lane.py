@@ -480,7 +480,11 @@ class ClientLane:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.closed = True
-                raise ServiceError(f"lane {self.op_id}: no reply to a restore within the client's timeout")
+                exc = ServiceError(f"lane {self.op_id}: no reply to a restore within the client's timeout; its copy "
+                                   f"may still run, holding its blocks: drain operation {self.op_id} (the lane) "
+                                   "before reusing them")
+                exc.op_id = self.op_id
+                raise exc
             _sleep_on(self.efd_cli, min(left, 0.25))
 
     def close(self) -> None:

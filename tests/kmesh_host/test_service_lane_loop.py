@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kmesh_gpu._host_tables import _build
-from kmesh_gpu.errors import ProtocolError
+from kmesh_gpu.errors import ProtocolError, ServiceError
 
 lane = pytest.importorskip("kmesh_host.service.lane")
 if lane.jit() is None:  # Numba is a dependency of the package: this is not expected
@@ -336,8 +336,9 @@ def test_a_client_that_gets_no_reply_by_its_deadline_stops_using_the_lane(ln):
     ln.stop()  # nobody answers; the closed page says so
     A.put(ln.page.words, J.W_STATE, 0)  # (as if the service were only slow)
     ln.client.spin_ns = int(1e6)
-    with pytest.raises(Exception, match="no reply"):
+    with pytest.raises(ServiceError, match="no reply") as info:
         ln.request([(1, 11, 8)], _i64(np.arange(0, 8)), timeout=0.2)
+    assert info.value.op_id == OP  # the lane's operation: draining it waits for whatever is in flight
     assert ln.client.closed is True
 
 
