@@ -15,6 +15,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import _compiled
+
 
 def _item_ptr(context, builder, arrty, arr, idx, idxty):
     ary = context.make_array(arrty)(context, builder, arr)
@@ -114,38 +116,26 @@ def set_word(lock, words, i, value):
     give(lock)
 
 
+_reserve = numba.njit(**_JIT)(_compiled._reserve)
+_release = numba.njit(**_JIT)(_compiled._release)
+
+
 @numba.njit(**_JIT)
 def reserve_locked(lock, holders, blocks, op_id):
-    """Hold ``blocks`` for ``op_id`` if every one is free, under ``lock``: -1 (held now), else the
+    """``_compiled._reserve`` under ``lock``: -1 (every block was free and is held now), else the
     index in ``blocks`` of the first one already held (nothing changed), or -2 for a block id
     outside ``holders``."""
     take(lock)
-    n = holders.shape[0]
-    for i in range(blocks.shape[0]):
-        b = blocks[i]
-        if b < 0 or b >= n:
-            give(lock)
-            return -2
-        if holders[b] != 0:
-            give(lock)
-            return i
-    for i in range(blocks.shape[0]):
-        holders[blocks[i]] = op_id
+    code = _reserve(holders, blocks, op_id)
     give(lock)
-    return -1
+    return code
 
 
 @numba.njit(**_JIT)
 def release_locked(lock, holders, blocks, op_id):
-    """Free those of ``blocks`` that ``op_id`` holds, under ``lock``; returns how many it did not hold."""
+    """``_compiled._release`` under ``lock``: frees those of ``blocks`` that ``op_id`` holds; returns
+    how many it did not hold."""
     take(lock)
-    n = holders.shape[0]
-    foreign = 0
-    for i in range(blocks.shape[0]):
-        b = blocks[i]
-        if 0 <= b < n and holders[b] == op_id:
-            holders[b] = 0
-        else:
-            foreign += 1
+    foreign = _release(holders, blocks, op_id)
     give(lock)
     return foreign

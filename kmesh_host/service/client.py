@@ -142,6 +142,18 @@ def _vmm_export(tensor: torch.Tensor, device: int):
         return None
 
 
+def _item_fields(it):
+    """``(key, slots, new_positions or None)`` of a :class:`RestoreItem` or a 2- or 3-tuple; ``None``
+    for anything else (the caller converts or refuses it)."""
+    if type(it) is RestoreItem:
+        return it.key, it.slots, it.new_positions
+    if type(it) is tuple and len(it) == 3:
+        return it
+    if type(it) is tuple and len(it) == 2:
+        return it[0], it[1], None
+    return None
+
+
 def _lane_vector(x, keep: list):
     """``(address, length)`` of a non-empty contiguous int64 CPU tensor or NumPy array (a list of
     ints is converted, the array kept in ``keep``), else ``None``."""
@@ -543,12 +555,9 @@ class CacheClient:
         except TypeError as exc:
             raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") from exc
         for i, it in numbered:
-            if type(it) is RestoreItem:
-                key, slots, new_positions = it.key, it.slots, it.new_positions
-            elif type(it) is tuple and len(it) == 3:
-                key, slots, new_positions = it
-            elif type(it) is tuple and len(it) == 2:
-                (key, slots), new_positions = it, None
+            fields = _item_fields(it)
+            if fields is not None:
+                key, slots, new_positions = fields
             else:
                 try:
                     it = it if isinstance(it, RestoreItem) else RestoreItem(*it)
@@ -625,14 +634,10 @@ class CacheClient:
         parsed, keep = [], []  # keep: arrays made from lists here, alive until the request is written
         shifted = None
         for it in items:
-            if type(it) is RestoreItem:
-                key, slots, new_positions = it.key, it.slots, it.new_positions
-            elif type(it) is tuple and len(it) == 3:
-                key, slots, new_positions = it
-            elif type(it) is tuple and len(it) == 2:
-                (key, slots), new_positions = it, None
-            else:
+            fields = _item_fields(it)
+            if fields is None:
                 return False
+            key, slots, new_positions = fields
             s = _lane_vector(slots, keep)
             p = None if new_positions is None else _lane_vector(new_positions, keep)
             if type(key) is not str or s is None or (new_positions is not None and (p is None or p[1] != s[1])):

@@ -149,6 +149,14 @@ class Page:
             pass
 
 
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _wake(fd: int) -> None:
     try:
         os.write(fd, (1).to_bytes(8, "little"))
@@ -375,11 +383,7 @@ class ServiceLane:
             if self._released:
                 return
             self._released = True
-            for fd in (self.efd_svc, self.efd_cli):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close_all((self.efd_svc, self.efd_cli))
         self.page.close()
         with self._lock:
             self._refs = [None] * ROWS
@@ -491,9 +495,5 @@ class ClientLane:
         if self.closed is None:
             return
         self.closed = None
-        for fd in (self.efd_svc, self.efd_cli):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_all((self.efd_svc, self.efd_cli))
         self.page.close()
