@@ -729,10 +729,10 @@ class CacheClient:
             page.close()
             for x in efds:
                 os.close(x)
-            if isinstance(exc, ServiceError):  # no lane for this registration here
-                self._no_lane.add(reg.reg_id)
+            if isinstance(exc, OwnershipError):  # closed, not this client's: the socket path says so
                 return None
-            if isinstance(exc, KmeshError):  # closed, not this client's: the socket path says so
+            if isinstance(exc, KmeshError):  # no lane for this registration here: not asked again
+                self._no_lane.add(reg.reg_id)
                 return None
             raise
         finally:

@@ -926,7 +926,6 @@ class _Service:
         freed = reg.state == "freed"
         return {"reg": reg.reg_id, "freed": freed, "pending_ops": sorted(reg.ops)}, b""
 
-
     # ------------------------------------------------------------------ fast lanes (see .lane)
     def op_lane(self, h, body, peer, conn_id):
         """Open a fast lane for a registration: its page and eventfds follow the frame (3 descriptors)."""
