@@ -497,15 +497,20 @@ class Registry:
                     holders[blocks[held == op.op_id]] = 0
                 else:
                     holders[blocks] = 0
-            ops = reg.ops
-            ops.pop(op.op_id, None)
-            free_reg = not ops and reg.state in (REG_CLOSING, REG_ORPHANED)
             callback, op.on_drained = op.on_drained, None
         try:
             if callback is not None:
                 callback(op)
         finally:  # the operation is released whatever its callback did
             try:
+                # It stays among the registration's operations until its callback has run, so that a
+                # close or drain looking meanwhile finds it (drained: it waits for this release) and
+                # the registration is freed only after: popped earlier, a close saw no operation and
+                # answered "not freed" while this thread was still about to free it.
+                with self._lock:
+                    ops = reg.ops
+                    ops.pop(op.op_id, None)
+                    free_reg = not ops and reg.state in (REG_CLOSING, REG_ORPHANED)
                 op.keepalive.clear()
                 if free_reg:
                     self._free([reg])

@@ -169,7 +169,9 @@ class Harness:
 
     def _on_drained(self, op):
         mop = self.ops[op.op_id]
-        assert op.state == "drained" and op.op_id not in op.reg.ops
+        # drained, its blocks free; still listed among the registration's operations until this
+        # callback has returned (a close meanwhile finds it and waits for the release to finish)
+        assert op.state == "drained" and op.reg.ops.get(op.op_id) is op
         assert not np.any(op.reg.holders == op.op_id), "on_drained ran before the blocks were released"
         c = mop.completion
         assert c is None or isinstance(c, Finished) or c.true_returns > 0, "on_drained before a successful wait"

@@ -262,3 +262,27 @@ def test_a_drain_that_finds_the_operation_released_by_another_thread_waits_for_t
             op2_registry.drain_one(op2, 0.01)
         finally:
             t.join(5)
+
+
+def test_a_close_while_another_thread_releases_the_last_operation_answers_freed(layout):
+    """The reaper releases a registration's last operation (its callback still running) while a
+    close comes: the close finds the operation, waits for that release and sees the registration
+    freed (the operation used to leave the registration's list before its callback ran, and the
+    close then answered "not freed" with nothing pending)."""
+    import threading
+    import time
+
+    in_callback = threading.Event()
+    registry = Registry(lambda reg: None)
+    reg = _register(registry, layout)
+    op = registry.begin(reg, "restore", {1})
+    registry.submitted(op, Finished(), outcome="ok", on_drained=lambda o: (in_callback.set(), time.sleep(0.3)))
+    registry.close(reg)  # (a first close: the reaper now drains it)
+    reaper = threading.Thread(target=registry.reap)
+    reaper.start()
+    assert in_callback.wait(5)
+    pending = registry.pending_ops(reg)
+    assert pending == [op]  # still listed while its release runs
+    registry.drain(pending, 5.0)
+    assert reg.state == "freed"
+    reaper.join(5)
