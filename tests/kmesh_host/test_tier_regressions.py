@@ -407,10 +407,15 @@ def test_a_load_dropped_before_it_settles_reserves_nothing_for_its_joiners(store
     dropped = []
 
     def load_then_drop(key, fp, on_chunk):
-        entry = real_load(key, fp, on_chunk)
-        if not dropped:  # the first load only
+        first = not dropped
+        if first:
             dropped.append(key)
+            # the second caller joins before this load makes the entry resident (once resident, a
+            # slow-starting second caller would lease it directly and never join: seen in CI on a
+            # loaded machine, the wait below then timed out)
             wait_until(lambda: tier.waiting(key) >= 1)
+        entry = real_load(key, fp, on_chunk)
+        if first:
             tier.evict(key)  # unleased and in the map: freed now
         return entry
 
