@@ -272,18 +272,27 @@ class Registry:
         return ready
 
     def _free(self, regs: Iterable[Registration]) -> None:
-        to_release = []
         with self._lock:
-            for reg in regs:
-                if reg.state == REG_FREED or reg.ops:
-                    continue
-                reason = "closed" if reg.state == REG_CLOSING else "reaped after its client went away"
-                reg.state = REG_FREED
-                self._regs.pop(reg.reg_id, None)
-                if self._live_handles.get(reg.handle_key) == reg.reg_id:
-                    del self._live_handles[reg.handle_key]
-                self._retired[reg.reg_id] = reason
-                to_release.append(reg)
+            to_release = self._retire(regs)
+        self._release_memories(to_release)
+
+    def _retire(self, regs: Iterable[Registration]) -> list[Registration]:
+        """Mark the registrations of ``regs`` with nothing pending freed (``_lock`` held); returns
+        them, for :meth:`_release_memories` once the lock is released."""
+        to_release = []
+        for reg in regs:
+            if reg.state == REG_FREED or reg.ops:
+                continue
+            reason = "closed" if reg.state == REG_CLOSING else "reaped after its client went away"
+            reg.state = REG_FREED
+            self._regs.pop(reg.reg_id, None)
+            if self._live_handles.get(reg.handle_key) == reg.reg_id:
+                del self._live_handles[reg.handle_key]
+            self._retired[reg.reg_id] = reason
+            to_release.append(reg)
+        return to_release
+
+    def _release_memories(self, to_release: list[Registration]) -> None:
         errors = []
         for reg in to_release:  # each one, whatever the others' releases did
             try:
@@ -507,13 +516,13 @@ class Registry:
                 # close or drain looking meanwhile finds it (drained: it waits for this release) and
                 # the registration is freed only after: popped earlier, a close saw no operation and
                 # answered "not freed" while this thread was still about to free it.
+                # The registration is marked freed in the same step as its last operation leaves it:
+                # whoever finds no operation pending finds it freed too.
                 with self._lock:
-                    ops = reg.ops
-                    ops.pop(op.op_id, None)
-                    free_reg = not ops and reg.state in (REG_CLOSING, REG_ORPHANED)
+                    reg.ops.pop(op.op_id, None)
+                    to_release = self._retire([reg]) if reg.state in (REG_CLOSING, REG_ORPHANED) else []
                 op.keepalive.clear()
-                if free_reg:
-                    self._free([reg])
+                self._release_memories(to_release)
             finally:
                 op.released.release()
 
