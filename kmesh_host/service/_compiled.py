@@ -118,6 +118,9 @@ class Compiled(NamedTuple):
     #: not compile (no lane can then exist)
     reserve_locked: object = None
     release_locked: object = None
+    #: the registration lock itself (``_atomics.take`` / ``give``)
+    take: object = None
+    give: object = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,7 +157,8 @@ def compiled() -> Compiled | None:
             if _atomics.reserve_locked(lock, holders, held, 7) == RESERVED \
                     and _atomics.reserve_locked(lock, holders, held[1:], 8) == 0 \
                     and _atomics.release_locked(lock, holders, held, 7) == 0 and not holders.any() and not lock[0]:
-                out = out._replace(reserve_locked=_atomics.reserve_locked, release_locked=_atomics.release_locked)
+                out = out._replace(reserve_locked=_atomics.reserve_locked, release_locked=_atomics.release_locked,
+                                   take=_atomics.take, give=_atomics.give)
         except Exception:  # the atomics do not compile here: no lanes, the plain passes serve
             pass
         return out

@@ -364,6 +364,8 @@ class Registry:
         if blocks.size and (blocks[0] < 0 or blocks[-1] >= holders.shape[0]):
             raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
         compiled = _compiled_for(blocks)
+        if compiled is not None and compiled.reserve_locked is not None:
+            return self._begin_locked(reg, kind, blocks, sources, compiled)
         with self._lock:
             if reg.state != REG_OPEN:
                 raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
@@ -387,6 +389,30 @@ class Registry:
             op = Op(op_id, reg, kind, blocks, sources)
             reg.ops[op_id] = op
             return op
+
+    def _begin_locked(self, reg: Registration, kind: str, blocks: np.ndarray, sources: tuple, compiled) -> Op:
+        """:meth:`begin` where the holders change under the registration's lock, taken before the
+        registry's own: a fast lane's request in flight holds the registration's lock until its
+        copy has completed (which may wait for the client's own work), and only this registration's
+        requests wait for that, never the whole registry (nothing takes the two the other way round)."""
+        holders = reg.holders
+        compiled.take(reg.lock)
+        try:
+            with self._lock:
+                if reg.state != REG_OPEN:
+                    raise OwnershipError(f"registration {reg.reg_id}: {reg.state}; no new work is accepted")
+                op_id = self._next_op
+                code = compiled.reserve(holders, blocks, op_id)  # every block free: held now
+                if code == _compiled.OUT_OF_RANGE:
+                    raise LayoutError(f"blocks: outside 0..{holders.shape[0] - 1} of registration {reg.reg_id}")
+                if code != _compiled.RESERVED:
+                    self._refuse_held(reg, blocks)
+                self._next_op = op_id + 1
+                op = Op(op_id, reg, kind, blocks, sources)
+                reg.ops[op_id] = op
+                return op
+        finally:
+            compiled.give(reg.lock)
 
     @staticmethod
     def _refuse_held(reg: Registration, blocks: np.ndarray) -> None:
@@ -495,28 +521,27 @@ class Registry:
             holders, blocks = reg.holders, op.blocks
             # only the blocks this operation holds: all of them, while begin() is the only one to reserve
             compiled = _compiled_for(blocks)
-            if compiled is not None:
-                if compiled.release_locked is not None:
-                    compiled.release_locked(reg.lock, holders, blocks, op.op_id)
-                else:
+            locked = compiled is not None and compiled.release_locked is not None  # (then below, outside
+            if not locked:                                                          # this lock: _begin_locked)
+                if compiled is not None:
                     compiled.release(holders, blocks, op.op_id)
-            else:
-                held = holders[blocks]
-                if np.count_nonzero(held != op.op_id):
-                    holders[blocks[held == op.op_id]] = 0
                 else:
-                    holders[blocks] = 0
+                    held = holders[blocks]
+                    if np.count_nonzero(held != op.op_id):
+                        holders[blocks[held == op.op_id]] = 0
+                    else:
+                        holders[blocks] = 0
             callback, op.on_drained = op.on_drained, None
         try:
+            if locked:
+                compiled.release_locked(reg.lock, holders, blocks, op.op_id)
             if callback is not None:
                 callback(op)
         finally:  # the operation is released whatever its callback did
             try:
                 # It stays among the registration's operations until its callback has run, so that a
-                # close or drain looking meanwhile finds it (drained: it waits for this release) and
-                # the registration is freed only after: popped earlier, a close saw no operation and
-                # answered "not freed" while this thread was still about to free it.
-                # The registration is marked freed in the same step as its last operation leaves it:
+                # close or drain looking meanwhile finds it (drained: it waits for this release); the
+                # registration is marked freed in the same step as its last operation leaves it, so
                 # whoever finds no operation pending finds it freed too.
                 with self._lock:
                     reg.ops.pop(op.op_id, None)

@@ -413,12 +413,17 @@ def test_the_registry_reserves_and_releases_under_the_registrations_lock():
 
     registry = Registry(lambda reg: None)
     reg = registry.register(PeerIdentity(1, 1, 1), instance=0, handle_key=b"k", layout=small_layout(), memory=None)
+    other = registry.register(PeerIdentity(1, 1, 1), instance=0, handle_key=b"o", layout=small_layout(), memory=None)
     A.take(reg.lock)
     done = []
     t = threading.Thread(target=lambda: done.append(registry.begin(reg, "restore", np.array([1, 2]))))
     t.start()
     time.sleep(0.2)
     assert not done and not reg.holders.any()
+    # the registry itself is not held meanwhile: other registrations' operations go on
+    op_other = registry.begin(other, "restore", np.array([1]))
+    registry.submitted(op_other, None, outcome="ok")
+    assert not other.holders.any()
     A.give(reg.lock)
     t.join(10)
     assert done and np.flatnonzero(reg.holders).tolist() == [1, 2]
