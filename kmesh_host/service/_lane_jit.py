@@ -318,7 +318,7 @@ def send(page, items, n, T, flags, srcs, seq, fns, efd, one):
         page[R_ITEMS + 3 * i + 1] = items[3 * i + 1]
         c = items[3 * i + 2]
         page[R_ITEMS + 3 * i + 2] = c
-        if off + c > T:
+        if c < 1 or off + c > T:
             return -1
         page[R_SLOTS + off:R_SLOTS + off + c] = numba.carray(_int64_ptr(srcs[i]), (c,))
         if (flags & SHIFTED) != 0:

@@ -261,6 +261,16 @@ def test_malformed_requests_are_refused(ln):
     assert not ln.holders.any() and ln.drv.copies == []
 
 
+def test_the_client_refuses_to_publish_what_does_not_add_up(ln):
+    c = ln.client
+    before = int(ln.page.words[J.W_REQ])
+    c.srcs[0] = _i64(np.arange(0, 8))[0].ctypes.data
+    for items, T in (((1, 11, 0), 8), ((1, 11, -3), 8), ((1, 11, 8), 4), ((1, 11, 8), MAX_T + 1)):
+        c.items[:3] = items
+        assert J.send(ln.page.words, c.items, 1, T, 0, c.srcs, c.seq + 1, c.fns, c.efd_svc, c.one) == -1
+    assert int(ln.page.words[J.W_REQ]) == before  # nothing published
+
+
 def test_what_the_lane_does_not_serve_is_declined(ln):
     _refused(ln, J.DECLINED, [(2, 12, 4)], _i64([3, 2, 1, 0]))  # not increasing
     _refused(ln, J.DECLINED, [(2, 12, 4)], _i64([0, 1, 1, 2]))  # repeated
