@@ -228,6 +228,29 @@ class RopeSpec:
         """The model-dtype cache widened to fp32 (exact), the table the placement kernels read."""
         return _cos_sin_fp32(self, str(torch.device(device)))
 
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (queries or keys, ``[..., T, H, D]``, D = ``head_size``) at ``positions``
+        (int64[T], each in ``[0, num_positions)``), as a model's forward does before attention.
+
+        The cos/sin values are this spec's model-dtype cache (vLLM's table) widened to fp32; the
+        rotation runs in fp32 in a fixed order (``x0*c - x1*s``, ``x1*c + x0*s``) and is rounded
+        once to ``x.dtype``. Dims from ``rotary_dim`` on are returned unchanged. Keys rotated here
+        at ``p`` and shifted to ``p'`` by the placement equal keys rotated here at ``p'`` up to one
+        fp32 rounding per step (the two are not bit-identical, DESIGN.md §2).
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[-1] != self.head_size:
+            raise LayoutError(f"x: expected a tensor [..., T, H, D={self.head_size}], got "
+                              f"{type(x).__name__ if not isinstance(x, torch.Tensor) else tuple(x.shape)}")
+        if x.dtype not in MODEL_DTYPES:
+            raise LayoutError(f"x: expected fp32/fp16/bf16, got {x.dtype}")
+        T = x.shape[-3]
+        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (T,):
+            got = (f"{str(positions.dtype).removeprefix('torch.')}{list(positions.shape)}"
+                   if isinstance(positions, torch.Tensor) else type(positions).__name__)
+            raise LayoutError(f"positions: expected int64[T={T}], got {got}")
+        self.check_positions("positions", positions)
+        return rotate_fp32(x.float(), positions.to(x.device), self).to(x.dtype)
+
     def check_positions(self, name: str, positions: torch.Tensor) -> None:
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.num_positions):
             raise LayoutError(f"{name}: positions must lie in [0, {self.num_positions}), got range "
@@ -265,6 +288,20 @@ def _pair_index(rope: RopeSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
     if rope.is_neox_style:
         return i, i + half
     return 2 * i, 2 * i + 1
+
+
+def rotate_fp32(x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """fp32 ``x`` ``[..., T, H, D]`` rotated at ``positions`` (int64[T] on ``x``'s device); a new tensor."""
+    table = rope.cos_sin_fp32(x.device)
+    half = rope.rotary_dim // 2
+    e0, e1 = _pair_index(rope, x.device)
+    c = table[positions, :half].unsqueeze(-2)  # [T, 1, half]
+    s = table[positions, half:].unsqueeze(-2)
+    x0, x1 = x[..., e0], x[..., e1]
+    out = x.clone()
+    out[..., e0] = x0 * c - x1 * s
+    out[..., e1] = x1 * c + x0 * s
+    return out
 
 
 def shift_fp32(x: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,

@@ -51,15 +51,6 @@ SEGMENT_TOKENS = 104  # 4 x 104 = 416 shared tokens, as in the seed
 PROMPT_TOKENS = 512
 
 
-def _rotate(x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """vLLM's neox rotation of fp32 keys [L, T, H, D] at positions (what a leader's forward does)."""
-    half = table.shape[1] // 2
-    c = table[pos, :half].float().unsqueeze(-2)
-    s = table[pos, half:].float().unsqueeze(-2)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 def _plan_children(n_children: int, seg_lens: list[int], gen: torch.Generator):
     """Per child: the prompt position where each segment starts (segments in a random order with
     other text between them), all inside a 512-token prompt."""
@@ -87,7 +78,6 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     rope = RopeSpec(p.head_size, p.head_size, p.rope_theta, True, p.max_position, p.dtype)
-    table = rope.cos_sin_cache(dev)
     fingerprint = ModelFingerprint(architecture=f"synthetic-{preset}", num_layers=p.num_layers,
                                    num_kv_heads=p.num_kv_heads, head_size=p.head_size,
                                    dtype=str(p.dtype).removeprefix("torch."), rope=rope.to_dict())
@@ -108,7 +98,7 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
     keys = []
     t0 = time.perf_counter()
     for s, n in enumerate(seg_lens):
-        k = _rotate(raw[s][0].float(), leader_pos[s].to(dev), table).to(p.dtype)
+        k = rope.apply(raw[s][0].float(), leader_pos[s].to(dev)).to(p.dtype)
         kv = torch.stack((k, raw[s][1].to(p.dtype)))
         token_ids = torch.randint(0, 32000, (n,), generator=gen)
         keys.append(store.put(kv.cpu(), token_ids, leader_pos[s], model_fingerprint=fingerprint))
@@ -178,7 +168,7 @@ def run_demo(*, device: str = "cpu", preset: str = "tiny", children: int = 4, se
     used = torch.zeros(layout.num_slots, dtype=torch.bool)
     for c, s, slots, old, new in work:
         back = gather(ref, layout, slots)
-        direct = _rotate(raw[s][0].float(), new, table).to(p.dtype)
+        direct = rope.apply(raw[s][0].float(), new).to(p.dtype)
         shift_diff = max(shift_diff, float((back[0].float() - direct.float()).abs().max()))
         v_equal &= torch.equal(back[1], seg_kv[s][1])
         used[slots.cpu()] = True

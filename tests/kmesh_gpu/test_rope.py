@@ -159,3 +159,44 @@ def test_concurrent_first_use_builds_one_table():
         t.join()
     assert all(g is got[0] for g in got)
     assert got[0].shape == (4096, 32) and got[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_apply_then_shift_equals_apply_at_the_new_position(neox):
+    gen = torch.Generator().manual_seed(2)
+    spec = RopeSpec(64, 48, 10000.0, neox, 2048, torch.float32)
+    x = torch.randn(3, 12, 2, 64, generator=gen)
+    p = torch.randint(0, 2048, (12,), generator=gen)
+    q = torch.randint(0, 2048, (12,), generator=gen)
+    at_p = spec.apply(x, p)
+    assert torch.equal(at_p[..., 48:], x[..., 48:])  # dims past rotary_dim untouched
+    assert torch.allclose(rope_shift(at_p, p, q, spec), spec.apply(x, q), atol=2e-5)
+    assert torch.equal(spec.apply(x, torch.zeros(12, dtype=torch.int64)), x)  # position 0: cos 1, sin 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_apply_matches_vllm_rotary_embedding_in_fp32(neox):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    spec = RopeSpec(64, 64, 1e5, neox, 4096, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(9, 3, 64, generator=gen)
+    k = torch.randn(9, 1, 64, generator=gen)
+    pos = torch.randint(0, 4096, (9,), generator=gen)
+    with set_current_vllm_config(VllmConfig()):
+        theirs = get_rope(64, 4096, is_neox_style=neox, rope_parameters={"rope_theta": 1e5}, dtype=torch.float32)
+        q_ref, k_ref = theirs.forward_native(pos, q.reshape(9, -1).clone(), k.reshape(9, -1).clone())
+    assert torch.allclose(spec.apply(q, pos), q_ref.reshape(9, 3, 64), atol=1e-5)
+    assert torch.allclose(spec.apply(k, pos), k_ref.reshape(9, 1, 64), atol=1e-5)
+
+
+def test_apply_bad_inputs():
+    spec = RopeSpec(8, 8, 10000.0, True, 16, torch.float32)
+    with pytest.raises(LayoutError, match="positions: expected int64"):
+        spec.apply(torch.zeros(2, 1, 8), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(LayoutError, match="positions must lie in"):
+        spec.apply(torch.zeros(2, 1, 8), torch.tensor([0, 16]))
+    with pytest.raises(LayoutError, match="x: expected a tensor"):
+        spec.apply(torch.zeros(2, 1, 4), torch.tensor([0, 1]))
