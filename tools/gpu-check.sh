@@ -35,10 +35,6 @@ if [ "$what" = all ] || [ "$what" = perf ]; then
     echo "exit $?" >> "$logs/perf/$name.txt"
     tail -40 "$logs/perf/$name.txt"
   done
-  # steady state of each service path: the GPU switching between the client's and the service's
-  # CUDA contexts (no MPS) costs the service path alone when a worker uses only that path
-  timeout 120 python3 tools/probe_service_switch.py > "$logs/perf/probe_service_switch.txt" 2>&1
-  tail -7 "$logs/perf/probe_service_switch.txt"
   python3 tools/cpu_speed_map.py --rounds 3 > "$logs/perf/cpu_speed_map_after.txt" 2>&1
 fi
 if [ "$what" = all ] || [ "$what" = demo ]; then
