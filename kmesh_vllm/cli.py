@@ -1,4 +1,4 @@
-"""The ``kmesh`` command: ``demo`` (main job), ``serve`` and ``status`` (cache service)."""
+"""The ``kmesh`` command: ``demo`` (main job), ``serve`` and ``status`` (cache service), ``model init``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print the service state as JSON; exit 0 when healthy")
     st.add_argument("--socket", required=True)
     st.add_argument("--timeout", type=float, default=5.0)
+
+    m = sub.add_parser("model", help="model presets")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("init", help="write a random-weight preset as an HF model folder")
+    mi.add_argument("--preset", choices=("tiny", "qwen2.5-0.5b-shape"), required=True)
+    mi.add_argument("directory", help="the folder to create (must not exist, or be empty)")
     return p
 
 
@@ -44,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         from kmesh_host.service.cli import status_main
 
         return status_main(args)
+    if args.command == "model":
+        from .model import write_preset
+
+        print(write_preset(args.preset, args.directory))
+        return 0
     return 2
 
 
