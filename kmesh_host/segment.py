@@ -4,7 +4,7 @@ A segment is the KV state of one shared text segment, ``kv`` of shape ``(2, L, T
 layers, tokens, KV heads, head size) in the model dtype, or uint8 / float8_e4m3fn holding fp8,
 with the segment's token ids and original positions (keys are post-RoPE at those positions).
 
-File layout (``kmesh-segment`` format version 1), readable with plain ``pyarrow.ipc.open_file``:
+File layout (``kmesh-segment`` format version 2), readable with plain ``pyarrow.ipc.open_file``:
 
 ====================  ==================================  ========================================
 column                type                                meaning
@@ -27,14 +27,21 @@ tree_leaf_size        int32                               its parameters
 tree_fanout           int32
 align_pad             binary                              zero bytes placing the payload at a
                                                           4096-aligned file offset
-payload               fixed_size_binary(padded length)    ``kv`` bytes, zero padded (last column)
+payload               large_binary (one value)            ``kv`` bytes, zero padded (last column)
 ====================  ==================================  ========================================
 
 The schema metadata repeats ``kmesh.format`` and ``kmesh.version`` and records
-``kmesh.payload_offset`` (16 decimal digits): the payload's byte offset in the file. Because the
-payload starts on a 4096-byte boundary and its length is a multiple of the chunk size, storage
-routes read it with O_DIRECT or cuFile straight into its destination, and read the small metadata
-around it (head and footer) separately.
+``kmesh.payload_offset`` and ``kmesh.payload_bytes`` (16 decimal digits each): the payload's byte
+offset in the file and its padded length. The payload's bytes are one contiguous range of the file
+(the value buffer of the last column); because it starts on a 4096-byte boundary and its length is a
+multiple of the chunk size, storage routes read it with O_DIRECT or cuFile straight into its
+destination, and read the small metadata around it (head and footer) separately. A payload holds at
+most :data:`MAX_PAYLOAD` bytes (2 GiB - 4 KiB).
+
+Version 1 files are still read (never written): the same columns, the payload typed
+``fixed_size_binary(padded length)`` and no ``kmesh.payload_bytes``. Arrow's IPC reader refuses that
+type from 256 MiB on (the byte width in bits must fit an int32), so version 1 files hold less than
+256 MiB; version 2 changed nothing else, and a segment's key is the same in both.
 
 Every metadata field is bound by the key: the key is the SHA-256 of a canonical description of all
 of them (digests included), so a reader that recomputes the key detects a changed field; the payload
@@ -60,14 +67,24 @@ from kmesh_gpu.errors import FingerprintMismatch, IntegrityError, LayoutError
 from .integrity import DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, _byte_view, check_tree_params, sha256, tree_digest
 
 FORMAT_NAME = "kmesh-segment"
-FORMAT_VERSION = 1
+#: The version written; every version in :data:`READABLE_VERSIONS` is read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# What a key describes did not change in version 2 (only the payload column's Arrow type did), so
+# the key's description keeps saying version 1: one segment, one key, in either file version.
+_KEY_VERSION = 1
 DEFAULT_CHUNK_SIZE = 4096
+MIN_CHUNK_SIZE = 512
 #: File alignment of the payload (O_DIRECT and GPUDirect Storage want 4 KiB).
 PAYLOAD_ALIGNMENT = 4096
 ARROW_MAGIC = b"ARROW1"
 _OFFSET_DIGITS = 16
-# Arrow's fixed_size_binary width is an int32.
-_MAX_PAYLOAD = (1 << 31) - PAYLOAD_ALIGNMENT
+#: The format's limit on the padded payload, 2 GiB - 4 KiB (the most one Linux read(2) or write(2)
+#: moves, MAX_RW_COUNT). Version 1 stated it but stopped short of 256 MiB; version 2 reaches it.
+MAX_PAYLOAD = (1 << 31) - PAYLOAD_ALIGNMENT
+#: The smallest file that can be a segment: a payload of at least one chunk at a nonzero aligned
+#: offset, then at least the Arrow footer's length field and the closing magic.
+MIN_FILE_SIZE = PAYLOAD_ALIGNMENT + MIN_CHUNK_SIZE + 4 + len(ARROW_MAGIC)
 
 #: dtypes a segment may hold, by the name stored in the file.
 SEGMENT_DTYPES: dict[str, torch.dtype] = {
@@ -269,8 +286,11 @@ def _fingerprint_type() -> pa.DataType:
                       ("head_size", pa.int32()), ("dtype", pa.string()), ("rope", pa.string())])
 
 
-def segment_schema(padded_length: int, payload_offset: int = 0) -> pa.Schema:
-    """The Arrow schema of a segment file whose payload is ``padded_length`` bytes."""
+def segment_schema(padded_length: int, payload_offset: int = 0, *, version: int | None = None) -> pa.Schema:
+    """The Arrow schema of a segment file whose payload is ``padded_length`` bytes at file offset
+    ``payload_offset``, in format ``version`` (default :data:`FORMAT_VERSION`; 1 for the old layout)."""
+    version = FORMAT_VERSION if version is None else version
+    payload_type = pa.binary(padded_length) if version == 1 else pa.large_binary()
     fields = [
         ("format", pa.string()), ("version", pa.uint16()), ("key", pa.string()),
         ("fingerprint", _fingerprint_type()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
@@ -278,18 +298,29 @@ def segment_schema(padded_length: int, payload_offset: int = 0) -> pa.Schema:
         ("payload_length", pa.int64()), ("chunk_size", pa.int32()),
         ("sha256", pa.binary(32)), ("tree_root", pa.binary(32)),
         ("tree_leaf_size", pa.int32()), ("tree_fanout", pa.int32()),
-        ("align_pad", pa.binary()), ("payload", pa.binary(padded_length)),
+        ("align_pad", pa.binary()), ("payload", payload_type),
     ]
-    meta = {b"kmesh.format": FORMAT_NAME.encode(), b"kmesh.version": str(FORMAT_VERSION).encode(),
+    meta = {b"kmesh.format": FORMAT_NAME.encode(), b"kmesh.version": str(version).encode(),
             b"kmesh.payload_offset": f"{payload_offset:0{_OFFSET_DIGITS}d}".encode()}
+    if version != 1:
+        meta[b"kmesh.payload_bytes"] = f"{padded_length:0{_OFFSET_DIGITS}d}".encode()
     return pa.schema(fields, metadata=meta)
+
+
+def payload_array(payload, version: int | None = None) -> pa.Array:
+    """The one-value payload column over ``payload``'s bytes (a bytes-like object; not copied)."""
+    buf = pa.py_buffer(payload)
+    if (FORMAT_VERSION if version is None else version) == 1:
+        return pa.FixedSizeBinaryArray.from_buffers(pa.binary(buf.size), 1, [None, buf])
+    offsets = pa.py_buffer(np.array([0, buf.size], dtype="<i8"))
+    return pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, buf])
 
 
 def derive_key(fingerprint: ModelFingerprint, dtype: str, shape, token_ids: np.ndarray, positions: np.ndarray,
                payload_length: int, chunk_size: int, sha: bytes, root: bytes, leaf_size: int, fanout: int) -> str:
     """The content-derived segment key: hex SHA-256 over every metadata field and the payload digests."""
     desc = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "fingerprint": fingerprint.to_dict(), "dtype": dtype,
+        "format": FORMAT_NAME, "version": _KEY_VERSION, "fingerprint": fingerprint.to_dict(), "dtype": dtype,
         "shape": [int(s) for s in shape],
         "token_ids": hashlib.sha256(np.ascontiguousarray(token_ids, dtype="<i8").tobytes()).hexdigest(),
         "positions": hashlib.sha256(np.ascontiguousarray(positions, dtype="<i8").tobytes()).hexdigest(),
@@ -338,12 +369,18 @@ def _check_kv(kv, fingerprint: ModelFingerprint) -> torch.Tensor:
 
 
 def payload_bytes(kv: torch.Tensor, chunk_size: int) -> tuple[np.ndarray, int]:
-    """``(padded uint8 array, unpadded length)`` of ``kv``'s bytes (copied to host, C order)."""
-    raw = kv.detach().contiguous().to("cpu").view(torch.uint8).reshape(-1).numpy()
-    length = raw.nbytes
+    """``(padded uint8 array, unpadded length)`` of ``kv``'s bytes in C order, on the host.
+
+    A contiguous CPU ``kv`` whose length is already a multiple of ``chunk_size`` is viewed, not
+    copied (read it only); anything else is copied once into a zero-padded array.
+    """
+    src = kv.detach()
+    length = src.numel() * src.element_size()
     padded = -(-length // chunk_size) * chunk_size
+    if src.device.type == "cpu" and src.is_contiguous() and length == padded:
+        return src.view(torch.uint8).reshape(-1).numpy(), length
     out = np.zeros(padded, dtype=np.uint8)
-    out[:length] = raw
+    torch.from_numpy(out[:length]).view(src.dtype).view(src.shape).copy_(src)
     return out, length
 
 
@@ -353,23 +390,26 @@ def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint:
     """Encode one segment; returns ``(key, file bytes)``.
 
     Args:
-        kv: ``(2, L, T, H, D)`` tensor (any device) in the fingerprint's dtype.
+        kv: ``(2, L, T, H, D)`` tensor (any device) in the fingerprint's dtype, at most
+            :data:`MAX_PAYLOAD` bytes once padded (LayoutError before anything is copied).
         token_ids, positions: ``int64[T]`` (int32 accepted).
         model_fingerprint: the model that produced ``kv``; its L, H, D and dtype are checked.
         chunk_size: the payload is zero padded to a multiple of it (a power of two >= 512).
     """
     if not isinstance(model_fingerprint, ModelFingerprint):
         raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
-    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 512
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < MIN_CHUNK_SIZE
             or chunk_size & (chunk_size - 1) or chunk_size > PAYLOAD_ALIGNMENT * 256):
         raise LayoutError(f"chunk_size: expected a power of two in [512, 1 MiB], got {chunk_size}")
     kv = _check_kv(kv, model_fingerprint)
+    padded = -(-kv.numel() * kv.element_size() // chunk_size) * chunk_size
+    if padded > MAX_PAYLOAD:
+        raise LayoutError(f"kv: {tuple(kv.shape)} {dtype_name(kv.dtype)} pads to {padded} bytes, over the "
+                          f"segment format's limit of {MAX_PAYLOAD} (2 GiB - 4 KiB); split it into segments")
     T = kv.shape[2]
     tok = _as_int64_vector("token_ids", token_ids, T)
     pos = _as_int64_vector("positions", positions, T)
     payload, length = payload_bytes(kv, chunk_size)
-    if payload.nbytes > _MAX_PAYLOAD:
-        raise LayoutError(f"kv: {payload.nbytes} bytes exceed the segment format's limit of {_MAX_PAYLOAD}")
     sha = sha256(payload)
     root = tree_digest(payload, leaf_size=leaf_size, fanout=fanout)
     name = dtype_name(kv.dtype)
@@ -385,14 +425,25 @@ def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint:
         "payload_length": [length], "chunk_size": [chunk_size], "sha256": [sha], "tree_root": [root],
         "tree_leaf_size": [leaf_size], "tree_fanout": [fanout],
     }
-    payload_array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(payload.nbytes), 1,
-                                                         [None, pa.py_buffer(payload)])
-    # The payload offset shifts by exactly the change in align_pad; a few rounds settle it.
+    return key, _aligned_file(columns, payload, key)
+
+
+def _aligned_file(columns: dict, payload: np.ndarray, key: str) -> pa.Buffer:
+    """The Arrow file of one segment with its payload at a PAYLOAD_ALIGNMENT-aligned offset.
+
+    The payload offset shifts by exactly the change in align_pad, and the offset metadata has a
+    fixed width; a few rounds settle it. They run on a one-chunk stand-in: the payload is the last
+    buffer of the body and its length is written in fixed-width fields only, so it moves nothing
+    before it. The real payload is then written once (and checked where it landed, like every round).
+    """
+    padded = payload.nbytes
+    real = payload_array(payload)
+    body = payload_array(np.zeros(min(padded, MIN_CHUNK_SIZE), dtype=np.uint8))
     pad, offset = 0, 0
-    for _ in range(6):
-        schema = segment_schema(payload.nbytes, offset)
+    for _ in range(8):
+        schema = segment_schema(padded, offset)
         arrays = [pa.array(columns[f.name], type=f.type) for f in schema if f.name not in ("align_pad", "payload")]
-        arrays += [pa.array([bytes(pad)], type=pa.binary()), payload_array]
+        arrays += [pa.array([bytes(pad)], type=pa.binary()), body]
         batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, schema) as writer:
@@ -400,7 +451,10 @@ def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint:
         data = sink.getvalue()
         actual = _payload_offset_in(data)
         if actual == offset and actual % PAYLOAD_ALIGNMENT == 0:
-            return key, data
+            if body is real:
+                return data
+            body = real
+            continue
         if actual % PAYLOAD_ALIGNMENT:
             pad += (-actual) % PAYLOAD_ALIGNMENT
         offset = actual + (-actual) % PAYLOAD_ALIGNMENT
@@ -410,7 +464,7 @@ def encode_segment(kv: torch.Tensor, token_ids, positions, *, model_fingerprint:
 def _payload_offset_in(data: pa.Buffer) -> int:
     reader = pa.ipc.open_file(pa.BufferReader(data))
     column = reader.get_batch(0).column(reader.schema.get_field_index("payload"))
-    return column.buffers()[1].address - data.address
+    return column.buffers()[-1].address - data.address  # the value bytes: last buffer in either version
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -421,11 +475,27 @@ def _fail(name: str, why: str, exc: BaseException | None = None) -> IntegrityErr
     return err
 
 
+def _digits(meta: Mapping, name: bytes) -> int | None:
+    """The fixed-width decimal metadata value ``name`` (None when missing or malformed)."""
+    text = meta.get(name, b"")
+    return int(text) if len(text) == _OFFSET_DIGITS and text.isdigit() else None
+
+
+def _version_of(meta: Mapping, name: str) -> int:
+    """The format version a segment schema's metadata states; IntegrityError unless readable here."""
+    version = meta.get(b"kmesh.version", b"?")
+    readable = {str(v).encode(): v for v in READABLE_VERSIONS}
+    if version not in readable:
+        raise _fail(name, f"segment format version {version.decode(errors='replace')!r}; this reader "
+                          f"understands versions {', '.join(map(str, READABLE_VERSIONS))}")
+    return readable[version]
+
+
 def read_schema_head(head, name: str, file_size: int) -> tuple[int, int]:
     """``(payload_offset, padded_length)`` from the first bytes of a segment file.
 
     ``head`` holds at least the file's first few KiB (the Arrow magic and the schema message).
-    Raises IntegrityError for anything that is not a KMesh segment file of this version.
+    Raises IntegrityError for anything that is not a KMesh segment file of a readable version.
     """
     view = memoryview(head)
     if file_size == 0:
@@ -439,19 +509,26 @@ def read_schema_head(head, name: str, file_size: int) -> tuple[int, int]:
     meta = schema.metadata or {}
     if meta.get(b"kmesh.format") != FORMAT_NAME.encode():
         raise _fail(name, "not a KMesh segment file (a foreign Arrow file: no kmesh.format metadata)")
-    version = meta.get(b"kmesh.version", b"?")
-    if version != str(FORMAT_VERSION).encode():
-        raise _fail(name, f"segment format version {version.decode(errors='replace')!r}; this reader "
-                          f"understands version {FORMAT_VERSION}")
-    offset_text = meta.get(b"kmesh.payload_offset", b"")
-    if len(offset_text) != _OFFSET_DIGITS or not offset_text.isdigit():
+    version = _version_of(meta, name)
+    offset = _digits(meta, b"kmesh.payload_offset")
+    if offset is None:
         raise _fail(name, "malformed kmesh.payload_offset metadata")
-    offset = int(offset_text)
     idx = schema.get_field_index("payload")
     ptype = schema.field(idx).type if idx >= 0 else None
-    if ptype is None or not pa.types.is_fixed_size_binary(ptype) or idx != len(schema) - 1:
-        raise _fail(name, "schema has no trailing fixed-size binary payload column")
-    padded = ptype.byte_width
+    if idx < 0 or idx != len(schema) - 1:
+        raise _fail(name, "schema has no trailing payload column")
+    if version == 1:
+        if not pa.types.is_fixed_size_binary(ptype):
+            raise _fail(name, "version 1 schema has no trailing fixed-size binary payload column")
+        padded = ptype.byte_width
+    else:
+        if not pa.types.is_large_binary(ptype):
+            raise _fail(name, f"version {version} schema has no trailing large_binary payload column")
+        padded = _digits(meta, b"kmesh.payload_bytes")
+        if padded is None:
+            raise _fail(name, "malformed kmesh.payload_bytes metadata")
+    if not 0 < padded <= MAX_PAYLOAD:
+        raise _fail(name, f"a payload of {padded} bytes; the format holds 1 to {MAX_PAYLOAD}")
     if offset <= 0 or offset + padded > file_size:
         raise _fail(name, f"payload [{offset}, {offset + padded}) lies outside the {file_size}-byte file "
                           "(truncated?)")
@@ -518,7 +595,8 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
             # Decompression would allocate whatever sizes the file declares (a few KiB can ask for GiBs)
             raise _fail(name, "compressed Arrow body (KMesh segments are never compressed)")
         batch = reader.get_batch(0)
-        expected = segment_schema(padded_length, payload_offset)
+        version = _version_of(reader.schema.metadata or {}, name)
+        expected = segment_schema(padded_length, payload_offset, version=version)
         if not batch.schema.equals(expected, check_metadata=False) or \
                 not reader.schema.equals(expected, check_metadata=True):
             raise _fail(name, "schema does not match the kmesh-segment schema")
@@ -526,7 +604,20 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
             raise _fail(name, f"expected one row, found {batch.num_rows}")
         batch.validate(full=True)
         payload_col = batch.column(len(expected) - 1)
-        actual_offset = payload_col.buffers()[1].address + payload_col.offset * padded_length - file_image.address
+        if payload_col.null_count:
+            raise _fail(name, "null payload")
+        if version == 1:
+            values = payload_col.buffers()[1].address + payload_col.offset * padded_length
+        else:
+            # one value of padded_length bytes: its value buffer, whole, is the payload
+            start = payload_col.offset
+            bounds = np.frombuffer(payload_col.buffers()[1], dtype="<i8")[start: start + 2].tolist()
+            data = payload_col.buffers()[2]
+            if bounds != [0, padded_length] or data.size != padded_length:
+                raise _fail(name, f"payload column holds {bounds} of {data.size} bytes, metadata says "
+                                  f"{padded_length}")
+            values = data.address
+        actual_offset = values - file_image.address
         row = {f.name: batch.column(i)[0].as_py() for i, f in enumerate(expected)
                if f.name not in ("payload", "align_pad")}
     except IntegrityError:
@@ -551,12 +642,12 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
     pos = np.asarray(row["positions"] or [], dtype="<i8")
     length, chunk = row["payload_length"], row["chunk_size"]
     checks = [
-        (row["format"] == FORMAT_NAME and row["version"] == FORMAT_VERSION, "format/version fields"),
+        (row["format"] == FORMAT_NAME and row["version"] == version, "format/version fields"),
         (len(shape) == 5 and shape[0] == 2 and all(s > 0 for s in shape), f"shape {shape}"),
         (len(shape) == 5 and shape[1:2] + shape[3:] == (fingerprint.num_layers, fingerprint.num_kv_heads,
                                                         fingerprint.head_size), "shape vs fingerprint"),
         (len(shape) == 5 and len(tok) == shape[2] == len(pos), "token_ids/positions length vs shape"),
-        (isinstance(chunk, int) and chunk >= 512 and chunk & (chunk - 1) == 0, f"chunk_size {chunk}"),
+        (isinstance(chunk, int) and chunk >= MIN_CHUNK_SIZE and chunk & (chunk - 1) == 0, f"chunk_size {chunk}"),
         (len(shape) == 5 and length == math.prod(shape) * SEGMENT_DTYPES[dtype].itemsize, "payload_length"),
         (isinstance(chunk, int) and chunk > 0 and padded_length == -(-length // chunk) * chunk, "padded length"),
         (_tree_params_ok(row["tree_leaf_size"], row["tree_fanout"]), "tree parameters"),
@@ -571,7 +662,8 @@ def decode_header(file_image: pa.Buffer, name: str, *, payload_offset: int, padd
     return SegmentHeader(key=key, fingerprint=fingerprint, dtype=dtype, shape=shape, token_ids=tok, positions=pos,
                          payload_length=length, padded_length=padded_length, chunk_size=chunk,
                          sha256=row["sha256"], tree_root=row["tree_root"], tree_leaf_size=row["tree_leaf_size"],
-                         tree_fanout=row["tree_fanout"], payload_offset=payload_offset, file_size=size)
+                         tree_fanout=row["tree_fanout"], payload_offset=payload_offset, file_size=size,
+                         version=version)
 
 
 def check_fingerprint(header: SegmentHeader, model_fingerprint: ModelFingerprint) -> None:
@@ -607,7 +699,8 @@ def segment_from_payload(header: SegmentHeader, payload: torch.Tensor) -> Segmen
 
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "DEFAULT_CHUNK_SIZE", "PAYLOAD_ALIGNMENT", "ModelFingerprint", "Segment",
-    "SegmentHeader", "segment_schema", "encode_segment", "decode_header", "read_schema_head", "derive_key",
+    "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "DEFAULT_CHUNK_SIZE", "MIN_CHUNK_SIZE",
+    "PAYLOAD_ALIGNMENT", "MAX_PAYLOAD", "MIN_FILE_SIZE", "ModelFingerprint", "Segment", "SegmentHeader",
+    "segment_schema", "payload_array", "encode_segment", "decode_header", "read_schema_head", "derive_key",
     "check_fingerprint", "check_payload", "segment_from_payload", "dtype_name", "is_key",
 ]

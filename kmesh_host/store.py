@@ -19,6 +19,7 @@ naming the key), never wrong data, and a failed move removes what it left there.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -32,7 +33,10 @@ import torch
 from kmesh_gpu.errors import IntegrityError, SegmentNotFound, StorageError
 
 from .segment import (
+    ARROW_MAGIC,
     DEFAULT_CHUNK_SIZE,
+    FORMAT_NAME,
+    MIN_FILE_SIZE,
     ModelFingerprint,
     Segment,
     SegmentHeader,
@@ -51,6 +55,7 @@ _HEAD_PROBE_MAX = 1 << 20
 # After the payload comes only the Arrow footer (the schema again and one block): a few KiB.
 _TAIL_MAX = 1 << 20
 _ATOMIC_PUT_FILESYSTEMS = ("s3", "gcs", "abfs")
+_FORMAT_NAME_BYTES = FORMAT_NAME.encode()
 _HEADER_CACHE_ENTRIES = 4096
 
 
@@ -75,10 +80,13 @@ class SegmentStore:
         self.root = str(root).rstrip("/") or "/"
         self.chunk_size = chunk_size
         self._dir = f"{self.root.rstrip('/')}/segments"  # root "/" (or ""): "/segments", never "//segments"
-        if self.local:
-            os.makedirs(self._dir, exist_ok=True)
-        else:
-            filesystem.create_dir(self._dir, recursive=True)
+        try:
+            if self.local:
+                os.makedirs(self._dir, exist_ok=True)
+            else:
+                filesystem.create_dir(self._dir, recursive=True)
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(f"segment store {self.root!r}: cannot create {self._dir}: {exc}") from exc
         self._lock = threading.Lock()
         # Parsed headers of local files, keyed by key and checked against the file's identity
         # (device, inode, size, mtime) on every use: parsing costs ~0.5 ms, an fstat microseconds.
@@ -231,8 +239,8 @@ class SegmentStore:
             return _ArrowRandomAccess(self.filesystem.open_input_file(path), key)
         except FileNotFoundError as exc:
             raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
-        except OSError as exc:
-            if not self.local and "not found" in str(exc).lower():
+        except (OSError, pa.ArrowException) as exc:
+            if not self.local and _says_not_found(exc):
                 raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
             raise StorageError(f"segment {key}: cannot open {path}: {exc}") from exc
 
@@ -297,19 +305,22 @@ class SegmentStore:
         return header
 
     def __contains__(self, key) -> bool:
+        """Whether :meth:`keys` lists ``key`` (the same cheap test, on this one name)."""
         if not is_key(key):
             return False
         path = self.path(key)
         if self.local:
-            return os.path.exists(path)
+            return self._is_segment_file_local(path)
         try:
-            return self.filesystem.get_file_info(path).type == pafs.FileType.File
+            info = self.filesystem.get_file_info(path)
         except (OSError, pa.ArrowException) as exc:
             raise StorageError(f"segment {key}: cannot look up {path}: {exc}") from exc
+        return self._is_segment_file_remote(info)
 
     # ------------------------------------------------------------------ delete / list
     def delete(self, key: str, *, missing_ok: bool = False) -> None:
-        """Remove segment ``key`` (SegmentNotFound if absent, unless ``missing_ok``)."""
+        """Remove what is stored under ``key``'s name, damaged or not (SegmentNotFound if there is
+        nothing, or a directory, unless ``missing_ok``; StorageError if the filesystem refuses)."""
         if missing_ok and not is_key(key):
             return
         path = self.path(key)
@@ -324,51 +335,155 @@ class SegmentStore:
                 if info.type != pafs.FileType.File:
                     raise FileNotFoundError(path)
                 self.filesystem.delete_file(path)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             if not missing_ok:
                 raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
-        except OSError as exc:
+        except (OSError, pa.ArrowException) as exc:
+            if not self.local and _says_not_found(exc):
+                if missing_ok:
+                    return
+                raise SegmentNotFound(f"segment {key}: not in {self!r}") from exc
             raise StorageError(f"deleting {path} failed: {exc}") from exc
 
     def keys(self) -> list[str]:
-        """Every stored segment key, sorted (from the directory: temporary files are not keys)."""
-        out = []
+        """Every stored segment key, sorted, from the directory (nothing is kept in memory).
+
+        A key is listed when the file under its name looks like a segment file, judged cheaply from
+        its first 4 KiB and last 6 bytes (two reads, no parsing): a regular file (not a symlink,
+        FIFO, device or directory) ``<key>.arrow`` in the shard directory ``<key[:2]>`` (itself a
+        real directory), of at least ``MIN_FILE_SIZE`` bytes, beginning with the Arrow file magic,
+        naming the ``kmesh-segment`` format in its first 4 KiB (the schema), and ending with the
+        Arrow file magic (a truncated or appended-to file does not). Temporaries and other junk are
+        not listed; a listed file is checked in full when read (:meth:`verify` checks everything).
+        On a ``pyarrow.fs`` root "regular file" is what the filesystem reports as a file.
+
+        Raises StorageError, naming the path and the OS error, when a directory or a listed file
+        cannot be read: a partial list is never returned as the whole.
+        """
         if self.local:
-            for shard in os.scandir(self._dir):
-                if shard.is_dir() and len(shard.name) == 2:
-                    out += [e.name[: -len(SUFFIX)] for e in os.scandir(shard.path)
-                            if e.name.endswith(SUFFIX) and e.name.startswith(shard.name) and e.is_file()]
-        else:
-            depth = len([c for c in self._dir.split("/") if c]) + 2   # <dir>/<shard>/<key>.arrow, no deeper
-            out = [i.base_name[: -len(SUFFIX)] for i in self._list()
-                   if i.type == pafs.FileType.File and i.base_name.endswith(SUFFIX)
-                   and len([c for c in i.path.split("/") if c]) == depth
-                   and i.path.rsplit("/", 2)[-2] == i.base_name[:2]]
-        return sorted(k for k in out if is_key(k))
+            out = []
+            for shard in self._scan_local(self._dir):
+                if _is_shard_name(shard.name) and self._is_real_dir(shard):
+                    out += [e.name[: -len(SUFFIX)] for e in self._scan_local(shard.path)
+                            if _key_file_in_shard(e.name, shard.name)
+                            and self._is_segment_file_local(e.path)]
+            return sorted(out)
+        depth = len([c for c in self._dir.split("/") if c]) + 2   # <dir>/<shard>/<key>.arrow, no deeper
+        candidates = [i for i in self._list() if len([c for c in i.path.split("/") if c]) == depth
+                      and _key_file_in_shard(i.base_name, i.path.rsplit("/", 2)[-2])]
+        return sorted(i.base_name[: -len(SUFFIX)] for i in candidates if self._is_segment_file_remote(i))
 
     def remove_temporaries(self) -> int:
         """Delete temporary files left by writers that crashed mid-write; returns how many.
 
-        Only safe when no writer is running on this root.
+        Only safe when no writer is running on this root. StorageError when a directory cannot be
+        listed; a temporary that cannot be removed is left (and not counted).
         """
         count = 0
         if self.local:
-            for shard in os.scandir(self._dir):
-                if shard.is_dir():
-                    for e in os.scandir(shard.path):
-                        if e.name.startswith(".") and e.name.endswith(".tmp"):
+            for shard in self._scan_local(self._dir):
+                if self._is_real_dir(shard):   # a symlink is not followed out of the store
+                    for e in self._scan_local(shard.path):
+                        if _is_temporary(e.name):
                             count += self._remove_quietly(e.path)
             return count
         for i in self._list():
-            if i.type == pafs.FileType.File and i.base_name.startswith(".") and i.base_name.endswith(".tmp"):
+            if i.type == pafs.FileType.File and _is_temporary(i.base_name):
                 count += self._remove_quietly(i.path)
         return count
 
     def _list(self):
         try:
-            return self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True))
+            return self.filesystem.get_file_info(pafs.FileSelector(self._dir, recursive=True, allow_not_found=True))
         except (OSError, pa.ArrowException) as exc:
             raise StorageError(f"{self!r}: listing {self._dir} failed: {exc}") from exc
+
+    def _scan_local(self, directory: str) -> list[os.DirEntry]:
+        """The entries of a local directory (none if it is gone); StorageError if it cannot be read."""
+        try:
+            with os.scandir(directory) as it:
+                return list(it)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"{self!r}: listing {directory} failed: {exc}") from exc
+
+    def _is_real_dir(self, entry: os.DirEntry) -> bool:
+        """Whether a directory entry is itself a directory (a symlink to one is not)."""
+        try:
+            return entry.is_dir(follow_symlinks=False)
+        except OSError as exc:
+            raise StorageError(f"{self!r}: cannot stat {entry.path}: {exc}") from exc
+
+    def _is_segment_file_local(self, path: str) -> bool:
+        """The cheap test of :meth:`keys` on a local path (False when nothing is there)."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            raise StorageError(f"{self!r}: cannot stat {path}: {exc}") from exc
+        if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_FILE_SIZE:
+            return False
+        try:
+            # O_NOFOLLOW / O_NONBLOCK: whatever replaced the file since the lstat is not followed or waited on
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:   # now a symlink
+                return False
+            raise StorageError(f"{self!r}: cannot open {path}: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_FILE_SIZE:
+                return False
+            head = os.pread(fd, _HEAD_PROBE, 0)
+            tail = os.pread(fd, len(ARROW_MAGIC), st.st_size - len(ARROW_MAGIC))
+        except OSError as exc:
+            raise StorageError(f"{self!r}: cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        return _looks_like_segment(head, tail)
+
+    def _is_segment_file_remote(self, info: pafs.FileInfo) -> bool:
+        """The cheap test of :meth:`keys` on a pyarrow.fs file (False when nothing is there)."""
+        size = info.size
+        if info.type != pafs.FileType.File or size is None or size < MIN_FILE_SIZE:
+            return False
+        n = len(ARROW_MAGIC)
+        try:
+            with self.filesystem.open_input_file(info.path) as f:
+                head, tail = bytes(f.read_at(min(_HEAD_PROBE, size), 0)), bytes(f.read_at(n, size - n))
+        except (OSError, pa.ArrowException) as exc:
+            if _says_not_found(exc):   # removed since the listing
+                return False
+            raise StorageError(f"{self!r}: cannot read {info.path}: {exc}") from exc
+        return _looks_like_segment(head, tail)
+
+
+def _looks_like_segment(head: bytes, tail: bytes) -> bool:
+    """keys()' test of a regular file of at least MIN_FILE_SIZE bytes, from its first 4 KiB and last 6
+    (no schema parse: that would cost more than the rest of a listing; reading a segment parses it)."""
+    return head.startswith(ARROW_MAGIC) and tail == ARROW_MAGIC and _FORMAT_NAME_BYTES in head
+
+
+def _says_not_found(exc: BaseException) -> bool:
+    # pyarrow.fs reports a missing file as an OSError whose errno may be unset (object stores)
+    return isinstance(exc, FileNotFoundError) or "not found" in str(exc).lower()
+
+
+def _is_shard_name(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
+def _key_file_in_shard(name: str, shard: str) -> bool:
+    """``name`` is ``<key>.arrow`` for a key that belongs in the shard directory ``shard``."""
+    return name.endswith(SUFFIX) and is_key(name[: -len(SUFFIX)]) and name[:2] == shard
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 # ---------------------------------------------------------------------- file access helpers
@@ -395,7 +510,10 @@ class _LocalRandomAccess:
         return done
 
     def close(self):
-        os.close(self.fd)
+        try:
+            os.close(self.fd)
+        except OSError as exc:
+            raise StorageError(f"segment {self.name}: closing the file failed: {exc}") from exc
 
     def __enter__(self):
         return self
@@ -420,7 +538,10 @@ class _ArrowRandomAccess:
         return len(data)
 
     def close(self):
-        self.f.close()
+        try:
+            self.f.close()
+        except (OSError, pa.ArrowException) as exc:
+            raise StorageError(f"segment {self.name}: closing the file failed: {exc}") from exc
 
     def __enter__(self):
         return self

@@ -1,8 +1,11 @@
-"""Helpers: build Arrow files that look like KMesh segments, with chosen lies.
+"""Helpers: build Arrow files that look like KMesh segments, with chosen lies, or in an old format.
 
 craft(...) mirrors kmesh_host.segment.encode_segment but lets any column / the tree parameters /
 the IPC write options be overridden, and realigns the payload the same way, so that every
-structural check (schema, payload offset) passes and only the chosen lie remains.
+structural check (schema, payload offset) passes and only the chosen lie remains. ``version=1``
+writes the version 1 layout (payload ``fixed_size_binary(padded length)``), which the store no
+longer writes but still reads: ``craft(kv, tok, pos, fp, version=1)`` is a file as put() made it
+before version 2.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from kmesh_host import ModelFingerprint
 from kmesh_host.integrity import sha256, tree_digest
 from kmesh_host.segment import (FORMAT_NAME, FORMAT_VERSION, PAYLOAD_ALIGNMENT, derive_key, dtype_name,
-                                payload_bytes, segment_schema)
+                                payload_array, payload_bytes, segment_schema)
 
 ROPE = {"base": 10000.0, "rotary_dim": 8, "is_neox_style": True}
 
@@ -30,13 +33,15 @@ def kv_tok_pos(T=5, seed=0):
 def _offset_in(data):
     reader = pa.ipc.open_file(pa.BufferReader(data))
     col = reader.get_batch(0).column(reader.schema.get_field_index("payload"))
-    return col.buffers()[1].address - data.address
+    return col.buffers()[-1].address - data.address  # the payload's value bytes, in either version
 
 
 def craft(kv, tok, pos, fp, *, leaf_size=4096, fanout=64, root=None, rope_json=None, overrides=None,
-          rekey=True, options=None, pad_payload=None, chunk_size=4096, align_pad=None, meta_offset=None):
-    """Returns (key, bytes). ``rekey``: recompute the key from the (possibly overridden) fields, so the
-    file is self-consistent; otherwise keep the honest key (a lying file)."""
+          rekey=True, options=None, pad_payload=None, chunk_size=4096, align_pad=None, meta_offset=None,
+          version=FORMAT_VERSION):
+    """Returns (key, bytes, payload offset). ``rekey``: recompute the key from the (possibly
+    overridden) fields, so the file is self-consistent; otherwise keep the honest key (a lying file).
+    ``version``: the file format version written (1: the old layout)."""
     payload, length = payload_bytes(kv, chunk_size)
     if pad_payload is not None:
         payload = pad_payload
@@ -48,7 +53,7 @@ def craft(kv, tok, pos, fp, *, leaf_size=4096, fanout=64, root=None, rope_json=N
     tok = np.asarray(tok, dtype="<i8")
     pos = np.asarray(pos, dtype="<i8")
     cols = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION,
+        "format": FORMAT_NAME, "version": version,
         "fingerprint": {"architecture": fp.architecture, "num_layers": fp.num_layers,
                         "num_kv_heads": fp.num_kv_heads, "head_size": fp.head_size, "dtype": fp.dtype,
                         "rope": rope_json if rope_json is not None else fp.rope_json()},
@@ -65,12 +70,12 @@ def craft(kv, tok, pos, fp, *, leaf_size=4096, fanout=64, root=None, rope_json=N
                          cols["chunk_size"], cols["sha256"], cols["tree_root"], cols["tree_leaf_size"],
                          cols["tree_fanout"])
     cols["key"] = key
-    payload_array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(payload.nbytes), 1, [None, pa.py_buffer(payload)])
+    payload_col = payload_array(payload, version)
     pad, offset = 0, 0
     for _ in range(8):
-        schema = segment_schema(payload.nbytes, offset if meta_offset is None else meta_offset)
+        schema = segment_schema(payload.nbytes, offset if meta_offset is None else meta_offset, version=version)
         arrays = [pa.array([cols[f.name]], type=f.type) for f in schema if f.name not in ("align_pad", "payload")]
-        arrays += [pa.array([align_pad if align_pad is not None else bytes(pad)], type=pa.binary()), payload_array]
+        arrays += [pa.array([align_pad if align_pad is not None else bytes(pad)], type=pa.binary()), payload_col]
         batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, schema, options=options) as w:

@@ -15,6 +15,7 @@ from kmesh_host.segment import (
     PAYLOAD_ALIGNMENT,
     decode_header,
     encode_segment,
+    payload_bytes,
     read_schema_head,
 )
 
@@ -87,6 +88,38 @@ def test_encoding_layout_digests_and_plain_pyarrow(T):
     assert row["fingerprint"]["architecture"] == "Qwen2ForCausalLM"
     assert row["payload"] == payload.tobytes()
     assert table.schema.metadata[b"kmesh.payload_offset"] == f"{h.payload_offset:016d}".encode()
+    # version 2: the payload is one large_binary value; its padded length is in the metadata
+    assert h.version == FORMAT_VERSION == 2 and table.schema.field("payload").type == pa.large_binary()
+    assert table.schema.metadata[b"kmesh.payload_bytes"] == f"{h.padded_length:016d}".encode()
+    assert table.schema.metadata[b"kmesh.version"] == b"2"
+
+
+@pytest.mark.parametrize("case", ["aligned-contiguous", "needs-padding", "non-contiguous"])
+def test_payload_bytes_views_or_copies_once(case):
+    """The payload is kv's own bytes when nothing is to be padded or reordered, else one zero-padded copy."""
+    kv = make_kv((2, 2, 64, 2, 8))                                   # 4096 bytes
+    if case == "needs-padding":
+        kv = make_kv((2, 2, 5, 2, 8))
+    elif case == "non-contiguous":
+        kv = make_kv((2, 64, 2, 2, 8)).transpose(1, 2)
+    out, n = payload_bytes(kv, 4096)
+    raw = kv.contiguous().view(torch.uint8).reshape(-1).numpy()
+    assert n == raw.size and out.size == -(-n // 4096) * 4096
+    assert np.array_equal(out[:n], raw) and not out[n:].any()
+    assert np.shares_memory(out, kv.view(torch.uint8).numpy()) == (case == "aligned-contiguous")
+
+
+def test_alignment_rounds_on_a_stand_in_give_the_file_of_real_rounds():
+    """encode_segment settles the layout on a one-chunk stand-in, then writes the payload once; the
+    file is the one that rounds on the real payload give (segment_craft's way)."""
+    from tests.helpers.segment_craft import craft
+
+    fp = fingerprint()
+    for T, chunk in ((1, 512), (5, 4096), (300, 4096), (1000, 1 << 20)):
+        kv = make_kv((2, 2, T, 2, 8), seed=T)
+        key, data = encode_segment(kv, torch.arange(T), torch.arange(T) + 1, model_fingerprint=fp, chunk_size=chunk)
+        k2, crafted, offset = craft(kv, torch.arange(T), torch.arange(T) + 1, fp, chunk_size=chunk)
+        assert key == k2 and bytes(data) == bytes(crafted) and _parse(data).payload_offset == offset
 
 
 def test_fingerprint_check_remembers_only_the_object_that_passed():

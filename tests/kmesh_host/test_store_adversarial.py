@@ -39,6 +39,7 @@ from kmesh_host.segment import (
     PAYLOAD_ALIGNMENT,
     derive_key,
     dtype_name,
+    payload_array,
     payload_bytes,
     segment_schema,
 )
@@ -195,7 +196,7 @@ def craft(kv, tok, pos, fp=FP, *, overrides=None, rekey=False, meta=None):
         cols["key"] = derive_key(fp2, cols["dtype"], cols["shape"], cols["token_ids"], cols["positions"],
                                  cols["payload_length"], cols["chunk_size"], cols["sha256"], cols["tree_root"],
                                  cols["tree_leaf_size"], cols["tree_fanout"])
-    parray = pa.FixedSizeBinaryArray.from_buffers(pa.binary(payload.nbytes), 1, [None, pa.py_buffer(payload)])
+    parray = payload_array(payload)
     pad, offset = 0, 0
     for _ in range(8):
         schema = segment_schema(payload.nbytes, offset)
@@ -208,7 +209,7 @@ def craft(kv, tok, pos, fp=FP, *, overrides=None, rekey=False, meta=None):
             w.write_batch(batch)
         data = sink.getvalue()
         reader = pa.ipc.open_file(data)
-        actual = reader.get_batch(0).column(len(schema) - 1).buffers()[1].address - data.address
+        actual = reader.get_batch(0).column(len(schema) - 1).buffers()[-1].address - data.address
         if actual == offset and actual % PAYLOAD_ALIGNMENT == 0:
             return cols["key"], data
         pad += (-actual) % PAYLOAD_ALIGNMENT
@@ -253,7 +254,8 @@ LIES = {
     "fanout_1": {"tree_fanout": 1},
     "sha_zero": {"sha256": bytes(32)},
     "root_zero": {"tree_root": bytes(32)},
-    "version_2": {"version": 2},
+    "version_1": {"version": 1},
+    "version_3": {"version": 3},
     "format_other": {"format": "kmesh-segmenx"},
     "key_other": {"key": "ab" * 32},
     "fp_layers_neg": {"fingerprint": {**_FPD, "num_layers": -2}},
@@ -290,7 +292,10 @@ def test_lying_metadata_is_refused(stored, lie, rekey):
     {b"kmesh.payload_offset": b"0000000000000000"}, {b"kmesh.payload_offset": b"0000000000008192"},
     {b"kmesh.payload_offset": b"000000000000409x"}, {b"kmesh.payload_offset": b"4096"},
     {b"kmesh.payload_offset": b"-000000000004096"}, {b"kmesh.payload_offset": b"9999999999999999"},
-    {b"kmesh.version": b"01"}, {b"kmesh.version": b"2"}, {b"kmesh.format": b"other"}, {b"extra": b"x"},
+    {b"kmesh.version": b"02"}, {b"kmesh.version": b"1"}, {b"kmesh.version": b"3"}, {b"kmesh.format": b"other"},
+    {b"extra": b"x"}, {b"kmesh.payload_bytes": b"0000000000000000"}, {b"kmesh.payload_bytes": b"0000000000000512"},
+    {b"kmesh.payload_bytes": b"0000000000008192"}, {b"kmesh.payload_bytes": b"4096"},
+    {b"kmesh.payload_bytes": b"00000000000040960"}, {b"kmesh.payload_bytes": b"9999999999999999"},
 ], ids=lambda m: "-".join(f"{k.decode()}={v.decode()}" for k, v in m.items()))
 def test_lying_schema_metadata_is_refused(stored, meta):
     store, key, kv, tok, pos, _ = stored
@@ -330,7 +335,7 @@ REWRITES = {
     "tokens_int32": lambda t: _retype(t, "token_ids", pa.list_(pa.int32())),
     "chunk_int64": lambda t: _retype(t, "chunk_size", pa.int64()),
     "payload_binary": lambda t: _retype(t, "payload", pa.binary()),
-    "payload_large_binary": lambda t: _retype(t, "payload", pa.large_binary()),
+    "payload_fixed_size_binary": lambda t: _retype(t, "payload", pa.binary(t.column("payload")[0].as_buffer().size)),
     "payload_not_last": lambda t: t.select([t.column_names[-1]] + t.column_names[:-1]),
     "no_payload": lambda t: t.drop_columns(["payload"]),
     "no_align_pad": lambda t: t.drop_columns(["align_pad"]),
