@@ -23,57 +23,19 @@ import functools
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
 
-from ._host_tables import _build
+from .compiled import JIT_OPTIONS as _JIT
+from .compiled import build_runs, ccall, int64_ptr
 
 #: positions in :func:`driver_table`'s array
 COPY_HTOD, EVENT_RECORD, LAUNCH = 0, 1, 2
 _NAMES = ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuLaunchKernel")
 
-# codes below zero from build_upload, beside _host_tables' (-1..-3): the NumPy path takes over
-RUNS_DO_NOT_PAY = -10  # runs too short on average: the per-token kernel is faster
+# codes below zero from build_upload and place_now, beside build_runs' (-1..-4)
 COPY_REFUSED = -11  # the driver refused the table's upload: nothing was queued
 RECORD_REFUSED = -12  # the upload is queued but its fence was not recorded (wait for the stream)
 LAUNCH_REFUSED = -13  # place_now: the table's upload is queued, unfenced; the launch was refused
 UNFENCED = -14  # place_now: launched, but the fence after it was not recorded
-
-
-@intrinsic
-def _ccall(typingctx, address, args):
-    """``int32 f(args...)`` for the C function at ``address``, each argument passed with its own
-    integer width (int64/uint64 as 64-bit, int32/uint32 as 32-bit): the driver's prototypes."""
-    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
-        return None
-    if not all(isinstance(t, types.Integer) for t in args):
-        return None
-
-    def codegen(context, builder, signature, llargs):
-        fn_address, packed = llargs
-        values = [builder.extract_value(packed, i) for i in range(len(args))]
-        fnty = ir.FunctionType(ir.IntType(32), [v.type for v in values])
-        return builder.call(builder.inttoptr(fn_address, fnty.as_pointer()), values)
-
-    return types.int32(address, args), codegen
-
-
-_JIT = dict(nogil=True, cache=True)
-_build_jit = numba.njit(**_JIT)(_build)
-
-
-@intrinsic
-def _int64_ptr(typingctx, address):
-    """The integer ``address`` as an ``int64*`` (for ``numba.carray``)."""
-    if not isinstance(address, types.Integer):
-        return None
-    ptr = types.CPointer(types.int64)
-
-    def codegen(context, builder, signature, llargs):
-        return builder.inttoptr(llargs[0], context.get_value_type(ptr))
-
-    return ptr(address), codegen
 
 
 @numba.njit(**_JIT)
@@ -83,29 +45,28 @@ def copies(fns, desc, count, stream, event):
     accepted (``count``, or the index of the first it refused: the rest are not queued and the
     event is not recorded), or ``-1`` when every copy was queued but the record was refused."""
     for i in range(count):
-        if _ccall(fns[COPY_HTOD], (desc[i, 0], desc[i, 1], desc[i, 2], stream)) != 0:
+        if ccall(fns[COPY_HTOD], (desc[i, 0], desc[i, 1], desc[i, 2], stream)) != 0:
             return i
-    if event != 0 and _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+    if event != 0 and ccall(fns[EVENT_RECORD], (event, stream)) != 0:
         return -1
     return count
 
 
 @numba.njit(**_JIT)
-def build_upload(fns, sl, starts, ptrs, params, need_increasing, pos, out, head, host, device, stream, event):
-    """The run table of ``sl`` (see ``_host_tables._build``) built into ``out`` (R x 7 rows that
-    follow ``head`` int64 values in the host buffer at address ``host``), then the first
-    ``head + 7 R`` values uploaded to ``device`` on ``stream`` and ``event`` recorded after the
-    copy (it fences the host buffer). Returns R, a code of ``_host_tables`` (nothing queued), or
-    :data:`RUNS_DO_NOT_PAY`, :data:`COPY_REFUSED`, :data:`RECORD_REFUSED`."""
-    R = _build_jit(sl, starts, ptrs, params, need_increasing, pos, out)
+def build_upload(fns, sl, starts, ptrs, params, pos, out, head, host, device, stream, event):
+    """The run table of ``sl`` (:func:`kmesh_gpu.compiled.build_runs`, slots checked distinct) built
+    into ``out`` (R x 7 rows that follow ``head`` int64 values in the host buffer at address
+    ``host``), then the first ``head + 7 R`` values uploaded to ``device`` on ``stream`` and
+    ``event`` recorded after the copy (it fences the host buffer). Returns R (0: every token
+    skipped, nothing queued), a code of ``build_runs`` (nothing queued), :data:`COPY_REFUSED` or
+    :data:`RECORD_REFUSED`."""
+    R = build_runs(sl, starts, ptrs, params, True, pos, out)
     if R <= 0:
         return R
-    if 2 * sl.shape[0] < params[2] * R:  # runs average under cap / 2 (as place._compiled_runs)
-        return RUNS_DO_NOT_PAY
     nbytes = (head + 7 * R) * 8
-    if _ccall(fns[COPY_HTOD], (device, host, nbytes, stream)) != 0:
+    if ccall(fns[COPY_HTOD], (device, host, nbytes, stream)) != 0:
         return COPY_REFUSED
-    if _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+    if ccall(fns[EVENT_RECORD], (event, stream)) != 0:
         return RECORD_REFUSED
     return R
 
@@ -120,13 +81,12 @@ def launch(fns, function, grid, block, stream, args, count):
     for i in range(count):
         args[count + i] = base + 8 * i
     u32 = np.uint32
-    return _ccall(fns[LAUNCH], (function, u32(grid[0]), u32(grid[1]), u32(grid[2]), u32(block[0]), u32(block[1]),
+    return ccall(fns[LAUNCH], (function, u32(grid[0]), u32(grid[1]), u32(grid[2]), u32(block[0]), u32(block[1]),
                                 u32(block[2]), u32(0), stream, base + 8 * count, np.int64(0)))
 
 
 @numba.njit(**_JIT)
-def place_now(fns, srcs, layer_base, starts, ptrs, params, need_increasing, ring, o, host, device, stream, event,
-              kernel, template):
+def place_now(fns, srcs, layer_base, starts, ptrs, params, ring, o, host, device, stream, event, kernel, template):
     """Gather, build, upload and launch the run kernel's placement in one call.
 
     ``srcs``: addresses of each item's host int64 indices, ``n`` (slots) or ``3 n`` (old positions,
@@ -139,8 +99,8 @@ def place_now(fns, srcs, layer_base, starts, ptrs, params, need_increasing, ring
     addresses, and ``event`` is recorded after it: it fences both the host region and the device
     table, which the kernel reads.
 
-    Returns R (launched and fenced), a code of ``_host_tables`` or :data:`RUNS_DO_NOT_PAY` (nothing
-    queued), :data:`COPY_REFUSED` (nothing queued), :data:`LAUNCH_REFUSED` (the upload is queued,
+    Returns R (launched and fenced; 0: every token skipped, nothing queued), a code of
+    :func:`kmesh_gpu.compiled.build_runs` (nothing queued), :data:`COPY_REFUSED` (nothing queued), :data:`LAUNCH_REFUSED` (the upload is queued,
     unfenced, nothing launched) or :data:`UNFENCED` (launched, not fenced). After the last two the
     caller waits for the stream before the region is used again."""
     L = layer_base.shape[0]
@@ -153,22 +113,19 @@ def place_now(fns, srcs, layer_base, starts, ptrs, params, need_increasing, ring
         i = k % n
         c = starts[i + 1] - starts[i]
         at = L + (k // n if rope else 2) * T + starts[i]
-        h[at:at + c] = numba.carray(_int64_ptr(srcs[k]), (c,))
+        h[at:at + c] = numba.carray(int64_ptr(srcs[k]), (c,))
     if rope:
         pos = h[L:L + 2 * T]
     else:
         h[L:L + 2 * T] = 0  # never read without RoPE
         pos = h[:0]
     runs_at = L + 3 * T
-    R = _build_jit(h[L + 2 * T:runs_at], starts, ptrs, params, need_increasing, pos,
-                   h[runs_at:].reshape((T, 7)))
+    R = build_runs(h[L + 2 * T:runs_at], starts, ptrs, params, True, pos, h[runs_at:].reshape((T, 7)))
     if R <= 0:
         return R
-    if 2 * T < params[2] * R:  # runs average under cap / 2 (as place._compiled_runs)
-        return RUNS_DO_NOT_PAY
-    if _ccall(fns[COPY_HTOD], (device, host, (runs_at + 7 * R) * 8, stream)) != 0:
+    if ccall(fns[COPY_HTOD], (device, host, (runs_at + 7 * R) * 8, stream)) != 0:
         return COPY_REFUSED
-    # as _place_driver._launch_plan: enough warps to fill the GPU before a warp takes several layers
+    # as kmesh_gpu.plan: enough warps to fill the GPU before a warp takes several layers
     function, per_run, units, count = kernel[0], kernel[1], kernel[2], kernel[3]
     groups = min(L, max(1, -(-units // (per_run * R))))
     lg = -(-L // groups)
@@ -179,12 +136,12 @@ def place_now(fns, srcs, layer_base, starts, ptrs, params, need_increasing, ring
     for i in range(count):
         args[count + i] = base + 8 * i
     u32 = np.uint32
-    rc = _ccall(fns[LAUNCH], (function, u32(-(-warps // 8)), u32(1), u32(1), u32(256), u32(1), u32(1), u32(0),
+    rc = ccall(fns[LAUNCH], (function, u32(-(-warps // 8)), u32(1), u32(1), u32(256), u32(1), u32(1), u32(0),
                               stream, base + 8 * count, np.int64(0)))
     args[0] = 0  # args (the parameters the driver reads during the call) stays alive until here
     if rc != 0:
         return LAUNCH_REFUSED
-    if _ccall(fns[EVENT_RECORD], (event, stream)) != 0:
+    if ccall(fns[EVENT_RECORD], (event, stream)) != 0:
         return UNFENCED
     return R
 
@@ -198,10 +155,13 @@ def _compile_used_signatures() -> None:
     vec, mat, n = np.zeros(4, dtype=i64), np.zeros((4, 7), dtype=i64), 0
     ro = np.zeros(4, dtype=i64)  # read-only inputs (layer bases, item starts, the launch's constants)
     ro.setflags(write=False)
+    # as kmesh_gpu.plan passes them: item starts (_tables._token_index) and the cache's run
+    # parameters (_Facts.run_params) are read-only; a writable example would compile another
+    # signature and leave the one in use to the first restore
     examples = ((copies, (fns, np.zeros((1, 3), dtype=i64), n, n, n)),
-                (build_upload, (fns, vec, vec, vec, vec, True, vec, mat, n, n, n, n, n)),
+                (build_upload, (fns, vec, ro, vec, ro, vec, mat, n, n, n, n, n)),
                 (launch, (fns, n, vec, vec, n, vec, n)),
-                (place_now, (fns, vec, ro, ro, vec, vec, True, vec, n, n, n, n, n, ro, ro)))
+                (place_now, (fns, vec, ro, ro, vec, ro, vec, n, n, n, n, n, ro, ro)))
     for fn, args in examples:
         fn.compile(tuple(numba.typeof(a) for a in args))
 

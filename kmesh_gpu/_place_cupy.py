@@ -3,41 +3,35 @@
 :func:`run` launches the kernel that ``place._Launch`` chose on torch's current stream: the run
 kernel ``kmesh_place_runs`` when its table was built, else a per-token kernel (``kmesh_place_vec``
 for 4-element-aligned layouts, ``kmesh_place`` otherwise). Kernels are looked up once per device,
-dtype and shape; launches go through the CUDA driver (``_launch``), CuPy's call where it declines.
-The kernel shapes (``_VEC_*``, ``_RUN_*``) are read from :mod:`kmesh_gpu.place` at each launch, so
-the tools that sweep them set them there.
+dtype and shape; launches go through the CUDA driver (:mod:`kmesh_gpu.cuda`), CuPy's call where it declines.
+The kernels' compile-time shape comes with each call (:class:`kmesh_gpu.plan.KernelShape`).
 """
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import torch
 
-from . import _launch
+from . import cuda
 from .layout import KVLayout
-
-# the module (the package's attribute ``place`` is the function of that name)
-P = importlib.import_module("kmesh_gpu.place")
 
 _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16",
                torch.uint8: "unsigned char"}
 
 
-def run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -> None:
+def run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope, shape) -> None:
     """Launch the placement (or gather) that ``tables`` describe on ``device``'s current stream."""
     dev_id = device.index if device.index is not None else torch.cuda.current_device()
     ctype = _CUDA_TYPES[layout.storage_dtype]
     if tables.get("runs") is not None:
-        _runs(tables, layout, dev_id, ctype, gather=gather, rope=rope)
+        _runs(tables, layout, dev_id, ctype, gather=gather, rope=rope, shape=shape)
         return
     total = tables["total"]
     if total == 0:
         return
     vec = tables["vec4"]
-    kname = f"kmesh_place_vec<{ctype}, {P._VEC_PER}, {P._VEC_LPT}>" if vec else f"kmesh_place<{ctype}>"
-    fn, getdev, device_ctx = _token_function(dev_id, kname)
+    kname = f"kmesh_place_vec<{ctype}, {shape.vec_per}, {shape.vec_layers}>" if vec else f"kmesh_place<{ctype}>"
+    fn, getdev, device_ctx = _token_function(dev_id, kname, shape)
     L, _, H, N, D = layout.sizes
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
@@ -45,9 +39,9 @@ def run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -
     common = (i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd))
     tail = (tables["cos_sin"].data_ptr(), tables["fp8_table"].data_ptr(), tables["k_scale"].data_ptr())
     if vec:  # lanes of _VEC_PER x 8 elements; several tokens per 256-thread block; grid.x = (K|V, layer)
-        lanes = min(-(-(H * D // 8) // P._VEC_PER), 256)
+        lanes = min(-(-(H * D // 8) // shape.vec_per), 256)
         rows_per_block = max(1, 256 // lanes)
-        grid = (2 * (-(-L // P._VEC_LPT)), min(-(-total // rows_per_block), 65535))
+        grid = (2 * (-(-L // shape.vec_layers)), min(-(-total // rows_per_block), 65535))
         args = (tables["tok"].data_ptr(), tables["layer_base"].data_ptr(), i64(L), i64(H), i64(D), i64(total),
                 i64(layout.k_strides[2]), i64(layout.v_strides[2])) + common + tail
     else:
@@ -65,7 +59,7 @@ def run(tables, layout: KVLayout, device: torch.device, *, gather: bool, rope) -
 _TOKEN_FNS: dict = {}  # (device, kernel name) -> (CUDA function, cupy getDevice, cupy Device)
 
 
-def _token_function(dev_id: int, kname: str) -> tuple:
+def _token_function(dev_id: int, kname: str, shape) -> tuple:
     """A per-token kernel (kmesh_place / kmesh_place_vec) as a CuPy Function, looked up once."""
     found = _TOKEN_FNS.get((dev_id, kname))
     if found is None:
@@ -74,7 +68,7 @@ def _token_function(dev_id: int, kname: str) -> tuple:
         from ._jit import get_kernel
 
         names = tuple(f"kmesh_place<{t}>" for t in _CUDA_TYPES.values()) + \
-            tuple(f"kmesh_place_vec<{t}, {P._VEC_PER}, {P._VEC_LPT}>" for t in _CUDA_TYPES.values())
+            tuple(f"kmesh_place_vec<{t}, {shape.vec_per}, {shape.vec_layers}>" for t in _CUDA_TYPES.values())
         kernel = get_kernel("place.cu", kname, device_id=dev_id, name_expressions=names)
         with cupy.cuda.Device(dev_id):
             fn = getattr(kernel, "kernel", kernel)
@@ -94,14 +88,15 @@ def _cupy_current_stream(dev_id: int):
     return cupy.cuda.Stream.null
 
 
-_stream_handle = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
+_stream_handle = cuda.current_stream  # torch's current stream as a raw handle (no Stream object)
 _RUN_FNS: dict = {}  # (device, dtype, kernel shape) -> (CUDA function, cupy getDevice, cupy Device)
 
 
-def _runs_function(dev_id: int, ctype: str) -> tuple:
+def _runs_function(dev_id: int, ctype: str, kernel_shape) -> tuple:
     """kmesh_place_runs for one device and dtype as a CuPy Function (which takes the stream as an
     argument: no device or stream context per launch), looked up once."""
-    shape = f"{P._RUN_GROUPS}, {P._RUN_HEADS}, {P._RUN_VPL}, {P._RUN_KVF}"
+    shape = (f"{kernel_shape.run_groups}, {kernel_shape.run_heads}, {kernel_shape.run_vectors}, "
+             f"{int(kernel_shape.run_kv_fused)}")
     key = (dev_id, ctype, shape)
     found = _RUN_FNS.get(key)
     if found is None:
@@ -118,26 +113,28 @@ def _runs_function(dev_id: int, ctype: str) -> tuple:
     return found
 
 
-def _runs(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, rope) -> None:
+def _runs(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, rope, shape) -> None:
     """Launch kmesh_place_runs on torch's current stream: one warp per (K|V, run, group of layers).
 
     ``tables["run_args"]``: (runs table address, [2, T] old|new positions address, layer bases
     address, number of runs R)."""
     if tables["run_args"][3] == 0:
         return
-    fn, getdev, device_ctx, grid, args = _runs_call(tables, layout, dev_id, ctype, gather=gather, rope=rope)
+    fn, getdev, device_ctx, grid, args = _runs_call(tables, layout, dev_id, ctype, gather=gather, rope=rope,
+                                                    shape=shape)
     _launch_on(fn, getdev, device_ctx, dev_id, grid, (256,), args)
 
 
-def _runs_call(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, rope) -> tuple:
+def _runs_call(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: bool, rope, shape) -> tuple:
     """``(function, getDevice, Device, grid, arguments)`` of the run kernel's launch (R > 0)."""
     runs_ptr, pos_ptr, base_ptr, R = tables["run_args"]
-    key = (dev_id, ctype, id(layout), id(rope), gather, P._RUN_GROUPS, P._RUN_HEADS, P._RUN_VPL, P._RUN_KVF)
+    key = (dev_id, ctype, id(layout), id(rope), gather, shape)
     found = _RUN_STATIC.get(key)
     if found is None or found[0] is not layout or found[1] is not rope:
-        found = _RUN_STATIC[key] = (layout, rope, _runs_function(dev_id, ctype)) + _run_static(layout, gather, rope)
+        found = _RUN_STATIC[key] = (layout, rope, _runs_function(dev_id, ctype, shape)) + \
+            _run_static(layout, gather, rope, shape)
     _, _, (fn, getdev, device_ctx), L, per_run, tail = found
-    groups = min(L, max(1, -(-P._RUN_UNITS // (per_run * R))))
+    groups = min(L, max(1, -(-shape.run_units // (per_run * R))))
     lg = -(-L // groups)
     units = per_run * R * (-(-L // lg))
     args = (runs_ptr, pos_ptr, base_ptr, np.int64(R), np.int64(tables["total"]), tail[0], np.int32(lg)) + tail[1:] \
@@ -145,14 +142,14 @@ def _runs_call(tables, layout: KVLayout, dev_id: int, ctype: str, *, gather: boo
     return fn, getdev, device_ctx, (-(-units // 8),), args
 
 
-def driver_template(layout: KVLayout, dev_id: int, rope, consts) -> tuple | None:
+def driver_template(layout: KVLayout, dev_id: int, rope, consts, shape) -> tuple | None:
     """What every launch of the run kernel into ``layout`` on ``dev_id`` shares, packed for one
-    compiled driver call (``_place_driver``): ``(CUfunction, warps per run, layers, int64
+    compiled driver call (:mod:`._driver_jit`): ``(CUfunction, warps per run, layers, int64
     arguments with the per-launch ones left 0, followed by as many scratch slots, count)``; ``None``
     where the function has no driver handle (CuPy launches). ``consts``: the placement's constant
     tables (cos/sin, fp8 table, K scales), whose addresses close the argument list."""
-    static = _run_static(layout, False, rope)
-    fn = _runs_function(dev_id, _CUDA_TYPES[layout.storage_dtype])[0]
+    static = _run_static(layout, False, rope, shape)
+    fn = _runs_function(dev_id, _CUDA_TYPES[layout.storage_dtype], shape)[0]
     ptr = getattr(fn, "ptr", None)
     if not ptr:
         return None
@@ -172,7 +169,7 @@ def driver_template(layout: KVLayout, dev_id: int, rope, consts) -> tuple | None
 _RUN_STATIC: dict = {}
 
 
-def _run_static(layout: KVLayout, gather: bool, rope) -> tuple:
+def _run_static(layout: KVLayout, gather: bool, rope, shape) -> tuple:
     L, _, H, _, D = layout.sizes
     rd = rope.rotary_dim if rope is not None else 0
     neox = int(rope.is_neox_style) if rope is not None else 0
@@ -181,14 +178,14 @@ def _run_static(layout: KVLayout, gather: bool, rope) -> tuple:
             i32(layout.v_strides[3]), i32(int(gather)), i32(int(rope is not None)), i32(neox), i32(rd))
     if len(_RUN_STATIC) >= 64:  # layouts come and go with caches: keep the table small
         _RUN_STATIC.clear()
-    return L, 1 if P._RUN_KVF else 2, tail  # warps per (run, layer group)
+    return L, 1 if shape.run_kv_fused else 2, tail  # warps per (run, layer group)
 
 
 def _launch_on(fn, getdev, device_ctx, dev_id: int, grid: tuple, block: tuple, args: tuple) -> None:
     """Launch ``fn`` on torch's current stream of ``dev_id``: through the driver when ``dev_id`` is
     the current device (one ctypes call), else, or when the driver declines, through CuPy."""
     if getdev() == dev_id:
-        if _launch.launch(fn, grid, block, _stream_handle(dev_id), args):
+        if cuda.launch(fn, grid, block, _stream_handle(dev_id), args):
             return
         fn(grid, block, args, stream=_cupy_current_stream(dev_id))
     else:

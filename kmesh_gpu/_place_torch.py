@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._place_tables import _fp8_table
+from ._tables import _fp8_table
 from .layout import KVLayout
 from .rope import RopeSpec, shift_fp32
 

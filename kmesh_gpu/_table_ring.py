@@ -51,7 +51,7 @@ class TableRing:
         self._spare: list = []  # events of regions that are free again
         self._lock = threading.Lock()
         #: device memory of the ring's size, for borrowers whose fence follows every reader of their
-        #: region there too (``_place_driver.place_now``); made on first use (:meth:`device_mirror`)
+        #: region there too (``PlacementPlan.place``); made on first use (:meth:`device_mirror`)
         self.mirror = None
 
     def device_mirror(self, device) -> int:

@@ -23,7 +23,7 @@ memory, asynchronously, once per stream).
 Repeated CuPy tree calls: once a call's (offsets, lengths, leaf_size, fanout) values have passed every
 check, they are remembered with their plan; the same values again (numpy or CPU torch int64[N], or a
 list of ints) over a contiguous CUDA uint8 tensor holding enough bytes skip the conversions and checks
-and cost one output allocation and one launch (``_tree_fast``, ``_Lane``).
+and cost one output allocation and one launch (``_tree_fast``, ``_StreamLauncher``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import warnings
 import numpy as np
 import torch
 
-from . import _backend, _launch
+from . import _backend, cuda
 # the tree's format constants and its host-side plans (kept importable from here: see __all__)
 from ._sha_plans import (_THREADS, DEFAULT_FANOUT, DEFAULT_LEAF_SIZE, TREE_DOMAIN, TREE_FORMAT, _FusedPlan, _fused_plan,
                          _Level, _tree_plan, _TreePlan, root_header)
@@ -267,31 +267,23 @@ def _ptr(t: torch.Tensor, byte_offset: int = 0) -> np.uint64:
     return np.uint64(t.data_ptr() + byte_offset)
 
 
-def _cupy_batched(t, offs, lens, out, kernel_name="kmesh_sha256_batched") -> None:
+def _cupy_batched(t, offs, lens, out) -> None:
     n = offs.size
     index = torch.empty(2 * n, dtype=torch.int64, device=t.device)
     _upload(np.concatenate((offs, lens)).view(np.uint8), index.view(torch.uint8))
     data = _nonempty(t)
-    _CupyLauncher(t.device)(kernel_name, n, (_ptr(data), _ptr(index), _ptr(index, 8 * n), _ptr(out),
+    _CupyLauncher(t.device)("kmesh_sha256_batched", n, (_ptr(data), _ptr(index), _ptr(index, 8 * n), _ptr(out),
                                              np.int64(n)))
 
 
-# Private switches (benchmarks and tools compare the paths in one run; KMesh uses the defaults).
-# _CUPY_TREE: "fused" (one launch for the whole tree, kmesh_sha256_tree_fused) or "levels" (one launch
-# per tree level and one for the roots, kmesh_sha256_tree_level). _FUSED_COUNTERS: "reset" (a zeroed
-# counter buffer kept per device and stream, which every launch leaves zero again: no other work on
-# the stream) or "memset" (a fresh buffer cleared before every launch).
-_CUPY_TREE = "fused"
-_FUSED_MAX_BYTES = 256 << 20                         # batches at least this large take the "levels" path
-_FUSED_COUNTERS = "reset"
+_FUSED_MAX_BYTES = 256 << 20                         # batches at least this large take the per-level path
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-_LANES: dict[tuple[int, int], "_Lane"] = {}
-_LANE_PLANS = 64                                     # plans prepared per lane before it forgets them
+_LAUNCHERS: dict[tuple[int, int], "_StreamLauncher"] = {}
+_LAUNCHER_PLANS = 64                                 # plans prepared per launcher before it forgets them
 
 
-def _fused_counters(device: torch.device, index: int, stream: int, n: int, mode: str) -> torch.Tensor:
-    if mode == "memset":
-        return torch.zeros(max(1, n), dtype=torch.int32, device=device)
+def _fused_counters(device: torch.device, index: int, stream: int, n: int) -> torch.Tensor:
+    """A zeroed counter buffer kept per device and stream, which every fused launch leaves zero again."""
     key = (index, stream)
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
@@ -302,18 +294,18 @@ def _fused_counters(device: torch.device, index: int, stream: int, n: int, mode:
     return c
 
 
-_stream_handle = _launch.current_stream  # torch's current stream as a raw handle (no Stream object)
+_stream_handle = cuda.current_stream  # torch's current stream as a raw handle (no Stream object)
 _RESET = np.int32(1)
 _BLOCK = (_THREADS,)
 
 
-class _Lane:
+class _StreamLauncher:
     """Everything the fused tree launch needs on one (device, stream), resolved once.
 
     The CuPy function object and stream, the self-resetting counters (``_COUNTERS``), a digest scratch
     buffer, and per plan a device copy of its table with the launch arguments that do not change from
     call to call. Launches on one stream run in order, so consecutive calls may share the scratch and
-    counters; another stream gets its own lane. A call then costs one output allocation, two pointers
+    counters; another stream gets its own launcher. A call then costs one output allocation, two pointers
     and the launch itself.
     """
 
@@ -344,14 +336,14 @@ class _Lane:
 
     def prepare(self, plan: _FusedPlan) -> tuple:
         """The constant middle of the argument tuple for ``plan`` (uploads its table, grows buffers)."""
-        ctr = _fused_counters(self.device, self.index, self.handle, plan.n_counters, "reset")
+        ctr = _fused_counters(self.device, self.index, self.handle, plan.n_counters)
         need = 32 * max(1, plan.n_slots)
         grown = self.scratch.numel() < need
         if grown:
             # Allocated on this lane's stream: the old buffer's memory is only handed to later work on it.
             self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8,
                                        device=self.device)
-        if grown or ctr.data_ptr() != self.counters_ptr or len(self.prepared) >= _LANE_PLANS:
+        if grown or ctr.data_ptr() != self.counters_ptr or len(self.prepared) >= _LAUNCHER_PLANS:
             self.prepared.clear()                    # pointers into replaced buffers
             self.tables.clear()
             self.counters_ptr = ctr.data_ptr()
@@ -365,7 +357,7 @@ class _Lane:
         return mid
 
     def run(self, data: torch.Tensor, plan: _FusedPlan, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Launch the fused tree of ``plan`` over ``data`` (non-empty, on this lane's device)."""
+        """Launch the fused tree of ``plan`` over ``data`` (non-empty, on this launcher's device)."""
         mid = self.prepared.get(plan)
         if mid is None:
             mid = self.prepare(plan)
@@ -373,7 +365,7 @@ class _Lane:
             out = data.new_empty((plan.n_obj, 32))   # a fresh tensor per call, on the current stream
         args = (np.uint64(data.data_ptr()),) + mid + (np.uint64(out.data_ptr()), _RESET)
         if self.getdev() == self.index:
-            if not _launch.launch(self.fn, plan.grid, _BLOCK, self.handle, args):
+            if not cuda.launch(self.fn, plan.grid, _BLOCK, self.handle, args):
                 self.fn(plan.grid, _BLOCK, args, stream=self.stream)
         else:
             with self.device_ctx(self.index):
@@ -381,32 +373,19 @@ class _Lane:
         return out
 
 
-def _lane(t: torch.Tensor) -> _Lane:
+def _launcher(t: torch.Tensor) -> _StreamLauncher:
     index = t.get_device()
     handle = _stream_handle(index)
-    lane = _LANES.get((index, handle))
-    if lane is None:
-        lane = _LANES[(index, handle)] = _Lane(index, handle, t.device)
-    return lane
+    launcher = _LAUNCHERS.get((index, handle))
+    if launcher is None:
+        launcher = _LAUNCHERS[(index, handle)] = _StreamLauncher(index, handle, t.device)
+    return launcher
 
 
-def _cupy_tree_fused(t, plan: _FusedPlan, out, leaf_size: int, fanout: int, counters: str | None = None) -> None:
-    mode = counters or _FUSED_COUNTERS
-    if mode not in ("reset", "memset"):
-        raise BackendError(f"_FUSED_COUNTERS: expected 'reset' or 'memset', got {mode!r}")
+def _cupy_tree_fused(t, plan: _FusedPlan, out, leaf_size: int, fanout: int) -> None:
     if (leaf_size, fanout) != (plan.leaf_size, plan.fanout):
         raise BackendError(f"fused plan for ({plan.leaf_size}, {plan.fanout}) used with ({leaf_size}, {fanout})")
-    if mode == "reset":
-        _lane(t).run(_nonempty(t), plan, out)
-        return
-    launch = _CupyLauncher(t.device)
-    table = plan.device_table(t.device)
-    scratch = torch.empty(32 * max(1, plan.n_slots), dtype=torch.uint8, device=t.device)
-    ctr = _fused_counters(t.device, launch.index, launch.handle, plan.n_counters, mode)
-    data = _nonempty(t)
-    launch("kmesh_sha256_tree_fused", plan.n_leaves,
-           (_ptr(data), _ptr(table), np.int64(plan.n_obj), np.int64(plan.n_leaves), np.int64(leaf_size),
-            np.int64(fanout), _ptr(scratch), _ptr(ctr), _ptr(out), np.int32(mode == "reset")))
+    _launcher(t).run(_nonempty(t), plan, out)
 
 
 # Validated calls: (offsets key, lengths key, leaf_size, fanout) -> their fused plan. A key is the
@@ -468,33 +447,35 @@ def _tree_fast(data, offsets, lengths, leaf_size, fanout):
     index = data.get_device()
     if index < 0:
         return None
-    lane = _LANES.get((index, _stream_handle(index)))
-    return (lane or _lane(data)).run(data, plan)
+    launcher = _LAUNCHERS.get((index, _stream_handle(index)))
+    return (launcher or _launcher(data)).run(data, plan)
 
 
-def _tree_launch(data: torch.Tensor, offsets: tuple, lengths: tuple, leaf_size: int, fanout: int, stream: int,
+def _tree_launch(data: torch.Tensor, offsets, lengths, leaf_size: int, fanout: int, stream: int,
                  out: torch.Tensor) -> bool:
-    """Private (``kmesh_host.routes``): the roots of the objects ``data[offsets[i]:offsets[i] +
-    lengths[i]]`` into the rows of ``out`` (``uint8[N, 32]``, contiguous, on ``data``'s device) by
-    one launch on the raw stream ``stream``, for a call :func:`tree_digests` made before with these
-    offsets and lengths (as lists or tuples of ints: ``offsets`` and ``lengths`` here are tuples)
-    and parameters on that stream (its checks passed, its plan and launch arguments are ready
-    there). ``False``, with nothing launched, for anything else: the caller then takes
-    :func:`tree_digests`."""
-    if _CUPY_TREE != "fused" or _FUSED_COUNTERS != "reset":
+    """The roots of a call :func:`tree_digests` made before with these offsets, lengths and
+    parameters on the raw stream ``stream`` (its checks passed, its plan and launch arguments are
+    ready there) into ``out`` by one launch there; ``False``, with nothing launched, otherwise."""
+    if type(offsets) is not tuple or type(lengths) is not tuple or type(data) is not torch.Tensor \
+            or type(out) is not torch.Tensor:
         return False
     plan = _VALIDATED.get((offsets, lengths, leaf_size, fanout))
-    if plan is None or data.numel() < plan.end or plan.n_obj != out.shape[0]:
+    # the launch writes 32 bytes per object from out's first byte and reads data's bytes from its
+    # first: both must be what tree_digests accepts (the full path checks, and names, anything else)
+    if (plan is None or data.dtype is not torch.uint8 or data.dim() != 1 or not data.is_contiguous()
+            or data.numel() < plan.end or out.dtype is not torch.uint8 or out.dim() != 2
+            or out.shape[0] != plan.n_obj or out.shape[1] != 32 or not out.is_contiguous()
+            or out.device != data.device):
         return False
-    lane = _LANES.get((data.get_device(), stream))
-    if lane is None or plan not in lane.prepared:
+    launcher = _LAUNCHERS.get((data.get_device(), stream))
+    if launcher is None or plan not in launcher.prepared:
         return False
-    lane.run(data, plan, out)
+    launcher.run(data, plan, out)
     return True
 
 
 def _cupy_tree(t, plan: _TreePlan, out) -> None:
-    """The one-launch-per-level path (kept for comparison: ``_CUPY_TREE = "levels"``)."""
+    """The one-launch-per-level path (large batches, ``_FUSED_MAX_BYTES``)."""
     buf = torch.empty(plan.total_bytes, dtype=torch.uint8, device=t.device)
     front = plan.device_bytes(t.device)
     buf[:front.numel()].copy_(front)
@@ -601,8 +582,8 @@ def sha256_batched(data, offsets, lengths, *, backend: str = "auto") -> torch.Te
     return out
 
 
-def tree_digests(data, offsets, lengths, *, leaf_size: int = DEFAULT_LEAF_SIZE,
-                 fanout: int = DEFAULT_FANOUT, backend: str = "auto") -> torch.Tensor:
+def tree_digests(data, offsets, lengths, *, leaf_size: int = DEFAULT_LEAF_SIZE, fanout: int = DEFAULT_FANOUT,
+                 backend: str = "auto", out: torch.Tensor | None = None, stream: int | None = None) -> torch.Tensor:
     """kmesh-tree-sha256/v1 roots of many objects (docs/tree-sha256.md); CuPy: one launch in all.
 
     Args:
@@ -611,70 +592,94 @@ def tree_digests(data, offsets, lengths, *, leaf_size: int = DEFAULT_LEAF_SIZE,
         leaf_size: bytes per leaf, a multiple of 64 in [64, 2**30] (default 4096).
         fanout: digests per inner node, in [2, 2**24] (default 64).
         backend: as in :func:`sha256_batched`.
+        out: optional ``uint8[N, 32]`` destination (contiguous, on ``data``'s device).
+        stream: optional raw CUDA stream handle to queue the work on instead of torch's current
+            stream. A call repeated on that stream with the same offsets and lengths (as tuples of
+            ints) and parameters, into ``out``, is one launch and nothing else: the restore routes
+            digest objects from a reader's completion thread this way.
 
     Returns:
-        ``uint8[N, 32]`` torch tensor on ``data``'s device: row ``i`` equals
+        ``uint8[N, 32]`` torch tensor on ``data``'s device (``out`` when given): row ``i`` equals
         ``kmesh_host.tree_digest(object_i, leaf_size=leaf_size, fanout=fanout)``.
 
     Raises:
         LayoutError, BackendError: as in :func:`sha256_batched`.
         IntegrityError: ``leaf_size`` or ``fanout`` is not a valid v1 parameter.
     """
-    if (backend == "auto" or backend == "cupy") and _CUPY_TREE == "fused" and _FUSED_COUNTERS == "reset":
-        out = _tree_fast(data, offsets, lengths, leaf_size, fanout)
-        if out is not None:                          # a call seen (and checked) before: launch only
+    if stream is not None:
+        if type(stream) is not int or stream < 0:
+            raise LayoutError(f"stream: expected a raw CUDA stream handle (an int >= 0), got {stream!r}")
+        if type(data) is not torch.Tensor or data.get_device() < 0:
+            raise LayoutError(f"stream: given for data that is not a CUDA tensor ({_describe(data)}); a stream "
+                              f"orders CUDA work")
+        if out is not None and (backend == "auto" or backend == "cupy") \
+                and _tree_launch(data, offsets, lengths, leaf_size, fanout, stream, out):
             return out
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            return tree_digests(data, offsets, lengths, leaf_size=leaf_size, fanout=fanout, backend=backend, out=out)
+    if backend == "auto" or backend == "cupy":
+        got = _tree_fast(data, offsets, lengths, leaf_size, fanout)
+        if got is not None:                          # a call seen (and checked) before: launch only
+            return _into(got, out)
     check_tree_params(leaf_size, fanout)
     t, offs, lens = _messages(data, offsets, lengths)
     kind = _resolve(backend, t.device)
     if offs.size == 0:
-        return torch.empty((0, 32), dtype=torch.uint8, device=t.device)
+        return _into(torch.empty((0, 32), dtype=torch.uint8, device=t.device), out)
     if kind == "cupy":
         # Large batches are throughput-bound: there the per-level launches keep more warps busy
         # (1 GiB: 538 against 417 GB/s on an H200); small ones are latency-bound (12 MiB: one launch
         # 0.195 ms against 0.264 ms of device time).
-        path = "levels" if _CUPY_TREE == "fused" and int(lens.sum()) >= _FUSED_MAX_BYTES else _CUPY_TREE
-        return _tree_digests_cupy(t, offs, lens, leaf_size, fanout, path, key=(offsets, lengths))
+        path = "levels" if int(lens.sum()) >= _FUSED_MAX_BYTES else "fused"
+        if out is not None and (out.dtype != torch.uint8 or tuple(out.shape) != (offs.size, 32)
+                                or not out.is_contiguous() or out.device != t.device):
+            raise LayoutError(f"out: expected a contiguous uint8[{offs.size}, 32] on {t.device}, got {_describe(out)}")
+        return _tree_digests_cupy(t, offs, lens, leaf_size, fanout, path, key=(offsets, lengths), out=out)
     plan = _tree_plan(offs.tobytes(), lens.tobytes(), leaf_size, fanout)
     if kind == "host":
-        return torch.from_numpy(_host_tree(t, plan)).to(t.device)
-    out = torch.empty((offs.size, 32), dtype=torch.uint8, device=t.device)
-    _warp_tree(t, plan, out)
+        return _into(torch.from_numpy(_host_tree(t, plan)).to(t.device), out)
+    got = torch.empty((offs.size, 32), dtype=torch.uint8, device=t.device)
+    _warp_tree(t, plan, got)
+    return _into(got, out)
+
+
+def _into(got: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return got
+    if out.dtype != torch.uint8 or out.shape != got.shape or out.device != got.device:
+        raise LayoutError(f"out: expected uint8{list(got.shape)} on {got.device}, got {_describe(out)}")
+    out.copy_(got)
     return out
 
 
-def _tree_digests_cupy(t, offs, lens, leaf_size: int, fanout: int, path: str,
-                       counters: str | None = None, key=None) -> torch.Tensor:
+def _tree_digests_cupy(t, offs, lens, leaf_size: int, fanout: int, path: str, *, key=None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The CuPy tree digest by ``path`` ("fused" or "levels"); arguments already checked. ``key``: the
-    caller's (offsets, lengths) as given, remembered as validated for the fast path (fused, reset)."""
-    out = t.new_empty((offs.size, 32))
+    caller's (offsets, lengths) as given, remembered as validated for the fast path (fused)."""
+    if out is None:
+        out = t.new_empty((offs.size, 32))
     if path == "fused":
         plan = _fused_plan(offs.tobytes(), lens.tobytes(), leaf_size, fanout)
-        _cupy_tree_fused(t, plan, out, leaf_size, fanout, counters)
-        if key is not None and (counters or _FUSED_COUNTERS) == "reset":
+        _cupy_tree_fused(t, plan, out, leaf_size, fanout)
+        if key is not None:
             _remember(key[0], key[1], leaf_size, fanout, plan)
-    elif path == "levels":
-        _cupy_tree(t, _tree_plan(offs.tobytes(), lens.tobytes(), leaf_size, fanout), out)
     else:
-        raise BackendError(f"_CUPY_TREE: expected 'fused' or 'levels', got {path!r}")
+        _cupy_tree(t, _tree_plan(offs.tobytes(), lens.tobytes(), leaf_size, fanout), out)
     return out
 
 
-def _tree_digests_path(data, offsets, lengths, *, path: str, counters: str | None = None,
-                       leaf_size: int = DEFAULT_LEAF_SIZE, fanout: int = DEFAULT_FANOUT) -> torch.Tensor:
-    """Benchmarks and tests only: :func:`tree_digests` with backend "cupy" by a named path
-    ("fused" or "levels") and, for "fused", counter handling ("reset" or "memset"). The fused path with
-    reset counters takes the same fast path for repeated calls as :func:`tree_digests`."""
-    if path == "fused" and (counters or _FUSED_COUNTERS) == "reset":
-        out = _tree_fast(data, offsets, lengths, leaf_size, fanout)
-        if out is not None:
-            return out
+def _tree_digests_by_path(data, offsets, lengths, *, path: str, leaf_size: int = DEFAULT_LEAF_SIZE,
+                          fanout: int = DEFAULT_FANOUT) -> torch.Tensor:
+    """:func:`tree_digests` with backend "cupy" by a named path ("fused" or "levels") whatever the
+    size (tests of both paths, ``perf/run_sha256.py``'s comparison of the two)."""
+    if path not in ("fused", "levels"):
+        raise BackendError(f"path: expected 'fused' or 'levels', got {path!r}")
     check_tree_params(leaf_size, fanout)
     t, offs, lens = _messages(data, offsets, lengths)
     _resolve("cupy", t.device)
     if offs.size == 0:
         return torch.empty((0, 32), dtype=torch.uint8, device=t.device)
-    return _tree_digests_cupy(t, offs, lens, leaf_size, fanout, path, counters, key=(offsets, lengths))
+    return _tree_digests_cupy(t, offs, lens, leaf_size, fanout, path, key=(offsets, lengths))
 
 
 def _as_roots(expected_roots, n: int, device: torch.device) -> torch.Tensor:
@@ -721,20 +726,6 @@ def verify_tree_roots(data, offsets, lengths, expected_roots, *, names=None,
         raise IntegrityError(
             f"{TREE_FORMAT} mismatch for {label}{others}: computed root {bytes(got[first].cpu().tolist()).hex()}"
             f", stored {bytes(want[first].cpu().tolist()).hex()}")
-
-
-def _sha256_one_thread_per_object(data, offsets, lengths) -> torch.Tensor:
-    """Perf baseline only: the seed's GPU SHA-256 design (CuPy, one thread per whole message).
-
-    Same contract as :func:`sha256_batched` with backend ``"cupy"``; ``perf/run_sha256.py`` measures
-    the tree digest against it. KMesh itself never calls it.
-    """
-    t, offs, lens = _messages(data, offsets, lengths)
-    _resolve("cupy", t.device)
-    out = torch.empty((offs.size, 32), dtype=torch.uint8, device=t.device)
-    if offs.size:
-        _cupy_batched(t, offs, lens, out, kernel_name="kmesh_sha256_object_naive")
-    return out
 
 
 __all__ = ["BACKENDS", "DEFAULT_FANOUT", "DEFAULT_LEAF_SIZE", "MAX_FANOUT", "MAX_LEAF_SIZE", "TREE_DOMAIN",

@@ -17,7 +17,6 @@ medians of per-pair ratios are reported. Prints a table, writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import statistics
@@ -26,12 +25,20 @@ from pathlib import Path
 
 import torch
 
-from kmesh_gpu import KVLayout, RopeSpec, _backend, place, place_many
-from kmesh_gpu.place import prepare_place_many
-
-place_mod = importlib.import_module("kmesh_gpu.place")  # the module (the package exports the function `place`)
+from kmesh_gpu import BackendError, KernelShape, KVLayout, PlacementPlan, RopeSpec, place, place_many
 
 PAIRS = 7
+
+
+def _available(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` runs on ``device`` here (a plan for a one-block cache is refused otherwise)."""
+    layout = KVLayout.from_vllm("LBHNC", num_layers=1, num_blocks=1, block_size=16, num_kv_heads=1, head_size=64,
+                                dtype=torch.bfloat16)
+    try:
+        PlacementPlan(layout.allocate(device, fill=0), layout, backend=backend)
+    except BackendError:
+        return False
+    return True
 
 
 def _timer(device: torch.device):
@@ -104,8 +111,8 @@ def seed_case(device: torch.device, backends: list[str], layers: int) -> dict:
                 place(kvs[i], cache, layout, slots[i], rope=rope, old_positions=olds[i], new_positions=news[i],
                       backend=backend)
 
-        launch = prepare_place_many(kvs, cache, layout, slots, rope=rope, old_positions=olds, new_positions=news,
-                                    backend=backend)
+        launch = PlacementPlan(cache, layout, rope=rope, backend=backend).prepare(
+            kvs, slots, old_positions=olds, new_positions=news)
         batched(), serial(), launch.run()  # compile + warm
         rows = {"batched": [], "serial": [], "launch": []}
         for pair in range(PAIRS):
@@ -153,16 +160,12 @@ def large_case(device: torch.device, backends: list[str], tokens: int, layers: i
         fns[f"place[{backend}]"] = (lambda b=backend: place(kv, cache, layout, slots, rope=rope, old_positions=old,
                                                             new_positions=new, backend=b))
         if backend != "torch":  # the launch alone, validation and tables prepared once
-            fns[f"launch[{backend}]"] = prepare_place_many([kv], cache, layout, [slots], rope=rope, old_positions=[old],
-                                                           new_positions=[new], backend=backend).run
+            fns[f"launch[{backend}]"] = PlacementPlan(cache, layout, rope=rope, backend=backend).prepare(
+                [kv], [slots], old_positions=[old], new_positions=[new]).run
         if backend == "cupy":  # the per-token kernel the run kernel replaced, for comparison
-            saved, place_mod._RUNS = place_mod._RUNS, False
-            try:
-                fns["launch[cupy, per-token kernel]"] = prepare_place_many(
-                    [kv], cache, layout, [slots], rope=rope, old_positions=[old], new_positions=[new],
-                    backend=backend).run
-            finally:
-                place_mod._RUNS = saved
+            fns["launch[cupy, per-token kernel]"] = PlacementPlan(
+                cache, layout, rope=rope, backend=backend, shape=KernelShape(run_kernel=False)).prepare(
+                [kv], [slots], old_positions=[old], new_positions=[new]).run
     for fn in fns.values():
         fn()
     names = list(fns)
@@ -195,9 +198,7 @@ def main() -> None:
     ap.add_argument("--large-tokens", type=int, default=None, help="default: 98304 (1.13 GiB) on cuda, 2048 on cpu")
     args = ap.parse_args()
     device = torch.device(args.device)
-    backends = ["torch", "warp"] + (["cupy"] if device.type == "cuda" and _backend.has_cupy() else [])
-    if device.type == "cuda":
-        backends = [b for b in backends if b != "warp" or _backend.has_warp()]
+    backends = [b for b in ("torch", "warp", "cupy") if _available(b, device)]
     cpu = device.type == "cpu"
     report = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device) if not cpu else platform.processor() or "cpu",

@@ -47,6 +47,7 @@ from kmesh_gpu import _backend  # noqa: E402
 from kmesh_gpu import sha256 as sha_mod  # noqa: E402
 from kmesh_gpu import tree_digests  # noqa: E402
 from kmesh_host import tree_digest  # noqa: E402
+from perf.sha256_baseline import sha256_one_thread_per_object  # noqa: E402
 
 MIB = 1 << 20
 TARGETS = {
@@ -108,12 +109,12 @@ def make_methods(w: Workload, device: torch.device, big: bool) -> dict:
             def gpu_naive_serial():
                 out = []
                 for o, n in zip(w.offsets.tolist(), w.lengths.tolist()):
-                    d = sha_mod._sha256_one_thread_per_object(w.data, [o], [n])
+                    d = sha256_one_thread_per_object(w.data, [o], [n])
                     out.append(bytes(d.cpu().numpy()[0]))
                 return out
 
             def gpu_naive_concurrent():
-                d = sha_mod._sha256_one_thread_per_object(w.data, w.offsets, w.lengths)
+                d = sha256_one_thread_per_object(w.data, w.offsets, w.lengths)
                 return [bytes(r) for r in d.cpu().numpy()]
 
             methods["gpu_naive_serial"] = gpu_naive_serial
@@ -126,14 +127,14 @@ def make_methods(w: Workload, device: torch.device, big: bool) -> dict:
         methods["gpu_tree"] = gpu_tree
 
         def gpu_tree_fused():
-            d = sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path="fused")
+            d = sha_mod._tree_digests_by_path(w.data, w.offsets, w.lengths, path="fused")
             return [bytes(r) for r in d.cpu().numpy()]
 
         if big:  # under 256 MiB gpu_tree is this path already
             methods["gpu_tree_fused"] = gpu_tree_fused
 
         def gpu_tree_levels():
-            d = sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path="levels")
+            d = sha_mod._tree_digests_by_path(w.data, w.offsets, w.lengths, path="levels")
             return [bytes(r) for r in d.cpu().numpy()]
 
         methods["gpu_tree_levels"] = gpu_tree_levels
@@ -337,7 +338,7 @@ def gpu_tree_device_span(w, trials: int, path: str = "fused") -> dict:
         if path == "fused":
             tree_digests(w.data, w.offsets, w.lengths, backend="cupy")
         else:
-            sha_mod._tree_digests_path(w.data, w.offsets, w.lengths, path=path)
+            sha_mod._tree_digests_by_path(w.data, w.offsets, w.lengths, path=path)
         b.record()
         torch.cuda.synchronize()
         spans.append(a.elapsed_time(b))

@@ -10,10 +10,8 @@
 //   kmesh_sha256_tree_fused   whole kmesh-tree-sha256/v1 trees of many objects in ONE launch: a thread
 //                             per leaf; the last child to finish a node hashes that node, and so on
 //                             up to the top, whose thread hashes the root record (the CuPy fast path)
-//   kmesh_sha256_tree_level   messages described per object (one tree level of many objects; the
-//                             older one-launch-per-level path, kept for comparison)
-//   kmesh_sha256_object_naive the seed's design (one thread per whole object, textbook schedule),
-//                             kept only as the baseline perf/run_sha256.py measures against
+//   kmesh_sha256_tree_level   messages described per object (one tree level of many objects): the
+//                             path of large batches, where per-level launches keep more warps busy
 
 typedef unsigned char u8;
 typedef unsigned int u32;
@@ -430,53 +428,5 @@ kmesh_sha256_tree_fused(const u8* __restrict__ data,     // payload bytes
         if (nfull > 0) {
             v0 = load16(msg, true); v1 = load16(msg + 16, true); v2 = load16(msg + 32, true); v3 = load16(msg + 48, true);
         }
-    }
-}
-
-// Baseline only: the seed's GPU SHA-256 design, one thread per whole object, byte loads and a
-// 64-word schedule array (as a first port of a textbook implementation looks). Not used by KMesh.
-extern "C" __global__ void
-kmesh_sha256_object_naive(const u8* data, const i64* offsets, const i64* lengths, u8* out, i64 n)
-{
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const u8* msg = data + offsets[i];
-    const i64 len = lengths[i];
-    const i64 total = ((len + 8) / 64 + 1) * 64;         // padded length
-    u32 st[8];
-    sha256_init(st);
-    u32 w[64];
-    for (i64 base = 0; base < total; base += 64) {
-        for (int k = 0; k < 16; ++k) {
-            u32 x = 0;
-            for (int b = 0; b < 4; ++b) {
-                const i64 pos = base + 4 * k + b;
-                u32 byte;
-                if (pos < len) byte = msg[pos];
-                else if (pos == len) byte = 0x80u;
-                else if (pos >= total - 8) byte = (u32)(((u64)len << 3) >> (8 * (total - 1 - pos)));
-                else byte = 0;
-                x = (x << 8) | (byte & 0xffu);
-            }
-            w[k] = x;
-        }
-        for (int k = 16; k < 64; ++k) {
-            const u32 s0 = rotr(w[k - 15], 7) ^ rotr(w[k - 15], 18) ^ (w[k - 15] >> 3);
-            const u32 s1 = rotr(w[k - 2], 17) ^ rotr(w[k - 2], 19) ^ (w[k - 2] >> 10);
-            w[k] = w[k - 16] + s0 + w[k - 7] + s1;
-        }
-        u32 a = st[0], b = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
-        for (int r = 0; r < 64; ++r) {
-            const u32 t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kSha256K[r] + w[r];
-            const u32 t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-            h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
-        }
-        st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
-    }
-    for (int k = 0; k < 8; ++k) {
-        out[32 * i + 4 * k + 0] = (u8)(st[k] >> 24);
-        out[32 * i + 4 * k + 1] = (u8)(st[k] >> 16);
-        out[32 * i + 4 * k + 2] = (u8)(st[k] >> 8);
-        out[32 * i + 4 * k + 3] = (u8)st[k];
     }
 }

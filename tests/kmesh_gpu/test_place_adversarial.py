@@ -286,8 +286,8 @@ BAD_PLACE = [
     _bad("old-int32", old_positions=torch.tensor(_OLD, dtype=torch.int32), match=r"old_positions: expected int64\[3\]"),
     _bad("new-short", new_positions=torch.tensor(_NEW[:2]), match=r"new_positions: expected int64\[3\]"),
     _bad("new-2d", new_positions=torch.tensor([_NEW]), match=r"new_positions: expected int64\[3\]"),
-    _bad("old-missing", old_positions=None, match="both are required", many="expected 1 entries each"),
-    _bad("new-missing", new_positions=None, match="both are required", many="expected 1 entries each"),
+    _bad("old-missing", old_positions=None, match="both are required"),
+    _bad("new-missing", new_positions=None, match="both are required"),
     _bad("positions-without-rope", rope=None, match="given without rope"),
     # the segment
     _bad("kv-layers", kv=lambda kv: kv[:, :1].contiguous(), match=r"kv: expected \(2, L=2"),
@@ -333,7 +333,7 @@ BAD_PLACE = [
 def _apply(change, base):
     args = dict(base)
     for key, value in change.items():
-        if key in ("match", "error", "many"):
+        if key in ("match", "error"):
             continue
         args[key] = value(args[key]) if callable(value) and not isinstance(value, type) else value
     return args
@@ -363,9 +363,8 @@ def test_bad_input_is_refused_by_name_and_writes_nothing(change, backend, api):
                                   else [args["cache"]], args["layout"], [args["slots"]], rope=args["rope"],
                                   old_positions=wrap(args["old_positions"]), new_positions=wrap(args["new_positions"]),
                                   k_scale=args["k_scale"], backend=args["backend"])
-    # one item: place_many names its arguments as place does (kv, cache, slots[...]: no index)
-    match = change.get("many", change.get("match")) if api == "place_many" else change.get("match")
-    _refused(call, tensors, match, change.get("error", LayoutError))
+    # one item: place_many names its arguments as place does (kv, cache, slots: no index)
+    _refused(call, tensors, change.get("match"), change.get("error", LayoutError))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -484,6 +483,12 @@ def test_place_many_items_overlapping_in_one_cache_are_refused(backend):
     other = layout.allocate(fill=POISON)
     place_many([kv, kv2], [cache, other], layout, [s1, s2], backend=backend)
     assert torch.equal(gather(cache, layout, s1), kv) and torch.equal(gather(other, layout, s2), kv2)
+    # the one cache as two tensor objects, its slots distinct: placed as into one tensor
+    s3 = torch.tensor([7, 3, 8])
+    one, two = layout.allocate(fill=POISON), layout.allocate(fill=POISON)
+    place_many([kv, kv2], [one, one.view(-1)], layout, [s1, s3], backend=backend)
+    place_many([kv, kv2], two, layout, [s1, s3], backend=backend)
+    assert torch.equal(_bits(one), _bits(two))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,8 +3,9 @@ before its fix): strided cache views written outside the view, K and V of large 
 RoPE specs with unusable scaling values, untyped errors and silent coercions (float sizes, "false"
 as a neox flag, meta tensors, k_scale strings), layouts beyond int64, ``gather(out=)`` naming the
 wrong argument and keeping skipped rows, sources or ``gather`` outputs inside the cache and caches
-sharing memory (the backends wrote different bits), and Warp's fp8 store turning a shifted NaN key
-into -448 where torch keeps NaN (the CUDA kernels' clamp had the same pattern).
+sharing memory (the backends wrote different bits), Warp's fp8 store turning a shifted NaN key
+into -448 where torch keeps NaN (the CUDA kernels' clamp had the same pattern), and a refused
+``gather(out=)`` that had already zeroed ``out``'s skipped rows.
 """
 
 from __future__ import annotations
@@ -173,6 +174,19 @@ def test_gather_out_errors_name_out_and_skipped_rows_are_zero(backend):
     gather(cache, lay, sl, out=out, backend=backend)
     assert torch.equal(out, gather(cache, lay, sl, backend=backend))
     assert not bool(out[:, :, 1].any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_gather_leaves_out_untouched(backend):
+    """gather(out=) with a bad slot: refused, and ``out`` keeps every value (its skipped rows were
+    zeroed before the slots were checked)."""
+    lay = _small()
+    cache = torch.randn(lay.physical_shape, generator=torch.Generator().manual_seed(3))
+    out = torch.full((2, 2, 3, 2, 8), 7.0)
+    for bad in (torch.tensor([0, -1, 16]), torch.tensor([-2, -1, 3])):
+        with pytest.raises(LayoutError, match="slots"):
+            gather(cache, lay, bad, out=out, backend=backend)
+        assert bool((out == 7.0).all())
 
 
 # ------------------------------------------------------------------ 3. sources that alias the cache

@@ -97,17 +97,17 @@ def test_concurrent_borrowers_get_disjoint_regions():
 def test_ring_events_fence_a_real_copy():
     import torch
 
-    from kmesh_gpu import _launch
+    from kmesh_gpu import cuda
 
     stream = torch.cuda.Stream()
-    ring = TableRing(1 << 16, pin=True, new_event=_launch.DriverEvent.create)
+    ring = TableRing(1 << 16, pin=True, new_event=cuda.DriverEvent.create)
     dst = torch.empty(1 << 14, dtype=torch.uint8, device="cuda")
     regions = []
     with torch.cuda.stream(stream):
         torch.cuda._sleep(int(20e6))
         for _ in range(4):
             offset, event = ring.reserve(1 << 14)
-            assert _launch.copy_htod(dst.data_ptr(), ring.base + offset, 1 << 14, stream.cuda_stream)
+            assert cuda.copy_htod(dst.data_ptr(), ring.base + offset, 1 << 14, stream.cuda_stream)
             assert event.record(stream.cuda_stream)
             regions.append(offset)
     assert ring.reserve(1 << 14) is None  # every region's copy waits behind the spin kernel

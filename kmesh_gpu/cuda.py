@@ -1,4 +1,9 @@
-"""Kernel launches, host-to-device copies and event records straight through the CUDA driver (ctypes).
+"""CUDA driver calls for host code on the restore path: kernel launches, async copies, events, streams.
+
+Public, for ``kmesh_host`` (the routes, the cache service) as for ``kmesh_gpu`` itself. Every call
+takes raw handles (``cudaStream_t``, ``cudaEvent_t``, device addresses) and returns ``False`` (or
+``None``) instead of raising where the driver is not loadable or refuses: the caller then takes its
+torch or CuPy path, which sets up what is missing and raises the proper error.
 
 A CuPy ``Function`` call converts every argument to a C value on each launch; with twenty
 arguments that is tens of microseconds of host time on the GPU machine, more than the placement
@@ -16,7 +21,6 @@ through CuPy, which sets up what is missing and raises the proper error.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
@@ -27,9 +31,8 @@ import torch
 #: release it (``ctypes.CDLL``). Releasing the GIL around a call of a few microseconds lets
 #: another thread take it, and the caller then waits for that thread to give it back: in a
 #: process whose threads all run Python (the cache service serving many clients) every such call
-#: became a hand-over. ``KMESH_DRIVER_GIL=release`` releases it around every call (comparisons).
-HOLD_GIL = os.environ.get("KMESH_DRIVER_GIL", "hold") != "release"
-_QUICK_LIB = ctypes.PyDLL if HOLD_GIL else ctypes.CDLL
+#: became a hand-over (docs/perf-history.md).
+_QUICK_LIB = ctypes.PyDLL
 
 # [(cuLaunchKernel, cuMemcpyHtoDAsync_v2, cuEventRecord, cuStreamWaitEvent) or Nones], resolved once
 _DRIVER: list = []
@@ -62,7 +65,7 @@ def copy_htod(dst: int, src: int, nbytes: int, stream: int) -> bool:
     """``cuMemcpyHtoDAsync``: ``nbytes`` from host address ``src`` (page-locked, or the copy is not
     asynchronous) to device address ``dst`` on the raw stream ``stream``; ``True`` once the driver
     accepted it (``False``: nothing was queued, and the caller copies another way)."""
-    fn = _functions()[1] if ENABLED else None
+    fn = _functions()[1]
     if fn is None:
         return False
     return fn(dst, src, nbytes, stream) == 0
@@ -84,7 +87,7 @@ def copy_dtoh(dst: int, src: int, nbytes: int, stream: int) -> bool:
         except (OSError, AttributeError):
             fn = None
         _DTOH.append(fn)
-    fn = _DTOH[0] if ENABLED else None
+    fn = _DTOH[0]
     if fn is None:
         return False
     return fn(dst, src, nbytes, stream) == 0
@@ -96,9 +99,7 @@ def copies_htod(desc: np.ndarray, count: int, stream: int) -> int:
     asynchronous): one compiled call for all where Numba serves (:mod:`._driver_jit`), else one
     ctypes call each. Returns how many the driver accepted: those are queued, in order; the rest
     (from the first refused) are not, and the caller copies them another way."""
-    if not ENABLED:
-        return 0
-    jit = driver_jit()
+    jit = compiled_driver()
     if jit is not None:
         return jit[0].copies(jit[1], desc, count, stream, 0)
     fn = _functions()[1]
@@ -113,9 +114,10 @@ def copies_htod(desc: np.ndarray, count: int, stream: int) -> int:
 _JIT: list = []  # [(the _driver_jit module, its driver table) or None], resolved once
 
 
-def driver_jit():
+def compiled_driver():
     """``(kmesh_gpu._driver_jit, its driver table)``, or ``None`` where the driver is not loadable or
-    Numba cannot compile the driver-call sequences here (callers keep their ctypes path)."""
+    Numba cannot compile the driver-call sequences here (callers keep their ctypes path). For
+    ``kmesh_gpu``'s own modules; others call :func:`warm_up`."""
     if not _JIT:
         found = None
         try:
@@ -128,6 +130,12 @@ def driver_jit():
             found = None
         _JIT.append(found)
     return _JIT[0]
+
+
+def warm_up() -> bool:
+    """Compile (or load from Numba's disk cache) the compiled driver sequences now, not inside a
+    first restore (seconds when cold, with the GIL held); ``True`` where they are usable here."""
+    return compiled_driver() is not None
 
 
 def _current_stream_slow(index: int) -> int:
@@ -143,7 +151,7 @@ def record_event(event: int, stream: int) -> bool:
     """``cuEventRecord``: record the CUDA event ``event`` (a ``cudaEvent_t``, e.g. a torch event's
     ``cuda_event``; 0 is refused) on the raw stream ``stream``; ``True`` once the driver accepted it
     (``False``: nothing was recorded, and the caller records another way)."""
-    fn = _functions()[2] if ENABLED and event else None
+    fn = _functions()[2] if event else None
     if fn is None:
         return False
     return fn(event, stream) == 0
@@ -152,7 +160,7 @@ def record_event(event: int, stream: int) -> bool:
 def wait_event(stream: int, event: int) -> bool:
     """``cuStreamWaitEvent``: work queued on the raw stream ``stream`` from now on waits for the
     event's last record; ``True`` once the driver accepted it (``False``: nothing was queued)."""
-    fn = _functions()[3] if ENABLED and event else None
+    fn = _functions()[3] if event else None
     if fn is None:
         return False
     return fn(stream, event, 0) == 0
@@ -163,7 +171,7 @@ def stream_synchronize(stream: int) -> bool:
     ``True`` once every piece of work queued there has completed without error (``False``: the
     driver is not loadable or reported an error, and the caller waits another way, which raises
     the error properly)."""
-    fns = _event_functions() if ENABLED else None
+    fns = _event_functions()
     if fns is None:
         return False
     return fns[4](stream) == 0
@@ -172,7 +180,7 @@ def stream_synchronize(stream: int) -> bool:
 def stream_query(stream: int) -> bool | None:
     """``cuStreamQuery`` of the raw stream ``stream``: ``True`` (everything queued there has
     completed), ``False`` (work pending), ``None`` (no driver, or an error)."""
-    fns = _event_functions() if ENABLED else None
+    fns = _event_functions()
     if fns is None:
         return None
     rc = fns[5](stream)
@@ -182,7 +190,7 @@ def stream_query(stream: int) -> bool | None:
 def event_query(event: int) -> bool | None:
     """``cuEventQuery`` of the raw event ``event``: ``True`` (its last record has completed),
     ``False`` (not yet), ``None`` (no driver, or an error: the caller asks torch, which raises it)."""
-    fns = _event_functions() if ENABLED and event else None
+    fns = _event_functions() if event else None
     if fns is None:
         return None
     rc = fns[1](event)
@@ -242,7 +250,7 @@ class DriverEvent:
 
     @classmethod
     def create(cls) -> "DriverEvent | None":
-        fns = _event_functions() if ENABLED else None
+        fns = _event_functions()
         if fns is None:
             return None
         ctx = ctypes.c_void_p()
@@ -307,14 +315,13 @@ class _Slots(threading.local):
 
 
 _SLOTS = _Slots()
-ENABLED = True  # tests and benchmarks switch it off to compare with CuPy's launch
 
 
 def launch(function, grid: tuple, block: tuple, stream: int, args: tuple) -> bool:
     """Launch ``function`` (a CuPy ``Function``: its ``ptr`` is the ``CUfunction``) on the raw stream
     ``stream`` (0: the legacy default stream) with integer ``args``; ``True`` once the driver
     accepted the launch."""
-    fn = _driver() if ENABLED else None
+    fn = _driver()
     function_ptr = getattr(function, "ptr", None)
     if fn is None or not function_ptr:
         return False

@@ -1,21 +1,17 @@
-"""Per-layer caches (a list of one tensor per layer, as vLLM allocates them) on the placement's fast
-path: the cache's facts worked out once with each layer's own base address, the same kernels and
-tables as one tensor, bit-identical to the torch reference; what the fast path does not cover
-(layers interleaved in one buffer, a source inside a layer) still goes to the general path, which
-decides. CPU cases use Warp's CPU kernels; the CUDA cases (``-m gpu``) Warp and CuPy, whose run
-kernel is prepared and launched by compiled driver calls."""
+"""Per-layer caches (a list of one tensor per layer, as vLLM allocates them): bit-identical to the
+torch reference and to one stacked tensor, for every backend; sources are checked against each
+layer's own bytes (a segment between two layers' tensors is placed, one inside a layer refused);
+layers that are interleaved strided views of one buffer are placed as the whole buffer would be.
+CPU cases use Warp's CPU kernels; the CUDA cases (``-m gpu``) Warp and CuPy. That a per-layer
+cache builds the run table of one tensor, with each layer's own base, is in test_plan_paths.py."""
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 
 from kmesh_gpu import KVLayout, LayoutError, RopeSpec, place, place_many
 from tests.helpers.devices import DEVICES, backends_for
-
-place_mod = importlib.import_module("kmesh_gpu.place")  # (the package exports a function of that name)
 
 L, B, N, H, D = 3, 16, 16, 2, 64
 
@@ -43,49 +39,29 @@ def _items(device: str, seed: int = 3):
     return kvs, slots, olds, news
 
 
-@pytest.fixture
-def fast_calls(monkeypatch):
-    """The launches the fast path built (``None`` where it declined)."""
-    got = []
-    real = place_mod._fast_tables
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        got.append(out)
-        return out
-
-    monkeypatch.setattr(place_mod, "_fast_tables", counting)
-    return got
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["NHD", "HND"])
-def test_per_layer_list_takes_the_fast_path_bit_identical_to_torch(device, name, fast_calls):
+def test_per_layer_list_is_bit_identical_to_torch(device, name):
     layout = _layout(name)
     rope = RopeSpec(D, D, 1e6, True, 4096, torch.bfloat16)
     kvs, slots, olds, news = _items(device)
     want = _layers(layout, device)
     place_many(kvs, [want] * 3, layout, slots, rope=rope, old_positions=olds, new_positions=news, backend="torch")
-    assert fast_calls == []  # torch is the general path
     for backend in [b for b in backends_for(device) if b != "torch"]:
         got = _layers(layout, device)
-        fast_calls.clear()
         place_many(kvs, [got] * 3, layout, slots, rope=rope, old_positions=olds, new_positions=news, backend=backend)
-        assert len(fast_calls) == 1 and fast_calls[0] is not None, backend
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), backend
         # without a shift
         got = _layers(layout, device)
         ref = _layers(layout, device)
-        fast_calls.clear()
         place_many([kvs[1]], [got], layout, [slots[1]], backend=backend)
-        assert len(fast_calls) == 1 and fast_calls[0] is not None, backend
         place(kvs[1], ref, layout, slots[1], backend="torch")
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, ref)), backend
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_source_between_two_layers_is_placed_and_one_inside_a_layer_refused(device, fast_calls):
+def test_source_between_two_layers_is_placed_and_one_inside_a_layer_refused(device):
     """Sources are checked against each layer's bytes, not the span from the first layer to the
     last: a segment in the gap between two layers' tensors is not the cache."""
     layout = _layout()
@@ -103,9 +79,7 @@ def test_source_between_two_layers_is_placed_and_one_inside_a_layer_refused(devi
         place(gap.clone(), ref, layout, slots, backend="torch")
         for x in layers:
             x.zero_()
-        fast_calls.clear()
         place_many([gap], [layers], layout, [slots], backend=backend)
-        assert len(fast_calls) == 1 and fast_calls[0] is not None, backend
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layers, ref)), backend
         inside = layers[1].view(-1)[:seg].view(2, L, T, H, D)
         before = [x.clone() for x in layers]
@@ -114,9 +88,10 @@ def test_source_between_two_layers_is_placed_and_one_inside_a_layer_refused(devi
         assert all(torch.equal(a, b) for a, b in zip(layers, before)), backend
 
 
-def test_interleaved_layer_views_stay_on_the_general_path(fast_calls):
+@pytest.mark.parametrize("backend", ["torch", "warp"])
+def test_interleaved_layer_views_are_placed_as_the_whole_buffer(backend):
     """Layers that are strided views of one buffer with their bytes interleaved (layer-inner
-    layouts) overlap one another's spans: the fast path declines them, the general path places."""
+    layouts) overlap one another's spans: each layer is addressed from its own view."""
     layout = KVLayout.from_vllm("BLHNC", num_layers=L, num_blocks=4, block_size=4, num_kv_heads=H, head_size=16,
                                 dtype=torch.bfloat16)
     flat = layout.allocate(fill=0).view(-1)
@@ -124,7 +99,6 @@ def test_interleaved_layer_views_stay_on_the_general_path(fast_calls):
     views = [flat.as_strided((4, H, 4, 32), (st[1], st[2], st[3], 1), l * st[0]) for l in range(L)]
     kv = torch.randn(2, L, 5, H, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     stacked = layout.allocate(fill=0)
-    place_many([kv], [views], layout, [torch.arange(5)], backend="warp")
-    assert fast_calls == []  # declined before any table is built
-    place(kv, stacked, layout, torch.arange(5), backend="warp")
+    place_many([kv], [views], layout, [torch.arange(5)], backend=backend)
+    place(kv, stacked, layout, torch.arange(5), backend=backend)
     assert torch.equal(flat.view(torch.uint8), stacked.view(-1).view(torch.uint8))
