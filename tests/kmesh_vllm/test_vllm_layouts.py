@@ -16,7 +16,9 @@ What vLLM 0.32 does (RFC #42082; backends no longer have ``get_kv_cache_shape`` 
 - The CPU backend (``cpu_attn.py``) supports only LBHNC and splits a layer's ``[B, H, N, 2D]`` cache
   with ``view(B, H, 2N, D).chunk(2, dim=2)``; its write op ``cpu_attn_reshape_and_cache`` (``vec`` and
   ``vec16`` ISAs) stores K *transposed* in its plane, ``[D, N]``, and V as ``[N, D]``. The ``amx`` ISA
-  (bf16 on AMX hosts) tiles both planes; no affine layout describes it.
+  (bf16 on AMX hosts) tiles both planes; no affine layout describes it. Which ISA vLLM picks, and which
+  of its kernels exist, depends on the host's CPU (``tests/helpers/cpu_features.py``): tests of a kernel
+  the host lacks (FP8 caches without AVX-512, ``amx`` without AMX) skip naming the feature.
 
 Every test writes through vLLM's conventions (or vLLM's own op) and reads through KMesh, or the
 reverse, on the same storage, comparing bit patterns.
@@ -32,6 +34,7 @@ import torch
 
 from kmesh_gpu import KVLayout, gather, place
 from kmesh_gpu.layout import VLLM_ALIASES, VLLM_LAYOUTS
+from tests.helpers.cpu_features import FP8_NEEDS, CpuFeatureMissing, CpuFeatures, cpu_attn_isa, missing_for_cache_write
 
 pytestmark = pytest.mark.vllm
 
@@ -245,13 +248,27 @@ def test_kernel_block_split_uses_kernel_block_size(vl, name):
 
 
 # ------------------------------------------------------------------ CPU backend
-CPU_CASES = {  # id: (dtype, kv_cache_dtype, N, D, isa vLLM's _get_attn_isa picks on a host without AMX)
+HOST_CPU = CpuFeatures.of_this_host()
+CPU_CASES = {  # id: (dtype, kv_cache_dtype, N, D, the planes ISA vLLM writes the case with where AMX does not apply)
     "fp32-N32-D64": (torch.float32, "auto", 32, 64, "vec"),
     "bf16-N16-D128": (torch.bfloat16, "auto", 16, 128, "vec16"),
     "fp16-N32-D80": (torch.float16, "auto", 32, 80, "vec16"),
     "bf16-N64-D128": (torch.bfloat16, "auto", 64, 128, "vec"),
     "fp8-N32-D64": (torch.bfloat16, "fp8", 32, 64, "vec"),
 }
+X86_ONLY = pytest.mark.skipif(not HOST_CPU.x86_64, reason=f"needs an x86-64 CPU (vLLM's vec/vec16/amx ISAs); "
+                                                          f"this host: {HOST_CPU.describe()}")
+
+
+def needs_cache_write(isa: str, kv_cache_dtype: str = "auto"):
+    """Skip unless this host runs vLLM's cpu_attn_reshape_and_cache for ``isa`` and the cache dtype."""
+    missing = missing_for_cache_write(HOST_CPU, isa, kv_cache_dtype)
+    return pytest.mark.skipif(missing is not None, reason=f"needs {missing}; this host: {HOST_CPU.describe()}")
+
+
+def cpu_cases(names) -> list:
+    """``names`` of CPU_CASES as parameters, each skipped where this host lacks its write kernel."""
+    return [pytest.param(n, id=n, marks=needs_cache_write(CPU_CASES[n][4], CPU_CASES[n][1])) for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -286,15 +303,23 @@ def cpu_inputs(case, *, L, H, T, D, gen):
     return (torch.randn(L, T, H, D, generator=gen).to(dtype), torch.randn(L, T, H, D, generator=gen).to(dtype))
 
 
+@X86_ONLY
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
 def test_cpu_isa_choice(vl, case):
-    dtype, kv_cache_dtype, N, D, isa = CPU_CASES[case]
-    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and N % 32 == 0:
-        isa = "amx"  # this host would pick the tiled layout, which no KVLayout describes
-    assert vl._get_attn_isa(dtype, N, D, kv_cache_dtype) == isa
+    """vLLM picks what its rule gives for this host's features: the case's planes ISA, or ``amx`` (the
+    tiled layout no KVLayout describes) on AMX hosts, or refuses an FP8 cache without AVX-512 or AMX."""
+    dtype, kv_cache_dtype, N, D, planes_isa = CPU_CASES[case]
+    try:
+        want = cpu_attn_isa(HOST_CPU, dtype, N, D, kv_cache_dtype)
+    except CpuFeatureMissing:
+        with pytest.raises(NotImplementedError, match=FP8_NEEDS):
+            vl._get_attn_isa(dtype, N, D, kv_cache_dtype)
+        return
+    assert vl._get_attn_isa(dtype, N, D, kv_cache_dtype) == want
+    assert want in (planes_isa, "amx")
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+@pytest.mark.parametrize("case", cpu_cases(CPU_CASES))
 def test_cpu_backend_write_matches_gather_and_place(vl, cpu_impls, case):
     """vLLM's cpu_attn_reshape_and_cache output is read back by gather and reproduced by place."""
     dtype, kv_cache_dtype, N, D, _ = CPU_CASES[case]
@@ -326,7 +351,7 @@ def test_cpu_backend_write_matches_gather_and_place(vl, cpu_impls, case):
     assert torch.equal(bits(fresh), bits(flat))
 
 
-@pytest.mark.parametrize("case", ["fp32-N32-D64", "bf16-N16-D128"], ids=str)
+@pytest.mark.parametrize("case", cpu_cases(["fp32-N32-D64", "bf16-N16-D128"]))
 def test_cpu_views_see_the_planes(vl, cpu_impls, case):
     """The CPU backend's key_cache/value_cache views are the two planes: K plane bytes hold [D, N]."""
     dtype, _, N, D, _ = CPU_CASES[case]
@@ -353,6 +378,7 @@ def test_from_vllm_planes_is_the_cpu_layout(case):
         (truth.k_strides, truth.v_strides, truth.k_offset, truth.v_offset)
 
 
+@needs_cache_write("amx")
 def test_cpu_amx_isa_is_not_planes(vl, cpu_impls):
     """vLLM's AMX write tiles the planes (16-token tiles, VNNI pairs): no KVLayout describes it, so
     KMesh must not be used with the CPU backend when vLLM picks ``amx`` (bf16, block % 32 == 0)."""
