@@ -1,4 +1,5 @@
-"""KMesh host side: segment files and store, checksums, tiers and routes, the cache service.
+"""KMesh host side: segment files and store, checksums, the host tier, the restore contract and its
+two restorers (:mod:`kmesh_host.restore`), the cache service (:mod:`kmesh_host.service`).
 
 Errors are the same classes ``kmesh_gpu`` raises (one hierarchy rooted at :class:`KmeshError`).
 """
@@ -17,14 +18,8 @@ from kmesh_gpu.errors import (
 )
 
 from .integrity import TREE_FORMAT, sha256, tree_digest
-from .routes import (
-    RestoreResult,
-    RestoreTarget,
-    RouteReport,
-    restore,
-    restore_direct,
-    restore_host_staging,
-)
+from .restore import (InProcessRestorer, RestoreItem, RestoreReport, RestoreResult, Restorer, RouteConfig,
+                      ServiceRestorer)
 from .segment import ModelFingerprint, Segment, SegmentHeader
 from .service import CacheClient, CacheService
 from .singleflight import SingleFlight
@@ -37,6 +32,7 @@ __all__ = [
     "TREE_FORMAT", "sha256", "tree_digest",
     "ModelFingerprint", "Segment", "SegmentHeader", "SegmentStore", "SingleFlight",
     "HostLease", "HostTier", "HostTierConfig",
-    "RestoreResult", "RestoreTarget", "RouteReport", "restore", "restore_direct", "restore_host_staging",
-    "CacheClient", "CacheService",
+    "RestoreItem", "RestoreReport", "RestoreResult", "Restorer", "InProcessRestorer", "RouteConfig",
+    "ServiceRestorer", "CacheClient", "CacheService",
 ]
+

@@ -209,6 +209,7 @@ def _through_service(root: Path, layout: KVLayout, rope: RopeSpec, fingerprint, 
     the keys), twice: into one registered allocation, and into one allocation per layer (as vLLM
     holds its caches). Shared memory on CPU, the CUDA tensors themselves on a GPU. Returns both
     caches' contents (the per-layer one stacked into the whole cache's shape)."""
+    from kmesh_host.restore import RestoreItem, ServiceRestorer
     from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache
 
     view = layout.per_layer()
@@ -228,13 +229,13 @@ def _through_service(root: Path, layout: KVLayout, rope: RopeSpec, fingerprint, 
                 outs = []
                 for name, part in (("whole", allocations[:1]), ("per_layer", allocations[1:])):
                     objs = [shared if shared is not None else tensor for shared, tensor in part]
-                    reg = client.register(objs[0] if name == "whole" else objs, layout, rope=rope)
-                    t0 = time.perf_counter()
-                    for c in range(children):
-                        items = [(keys[s], slots.cpu(), new.cpu()) for cc, s, slots, _, new in work if cc == c]
-                        client.restore(reg, items, model_fingerprint=fingerprint.to_dict())
-                    timings[f"service_restore_ms[{name}]"] = (time.perf_counter() - t0) * 1e3
-                    client.close_registration(reg)
+                    with ServiceRestorer(client, objs[0] if name == "whole" else objs, layout,
+                                         model_fingerprint=fingerprint, rope=rope) as restorer:
+                        t0 = time.perf_counter()
+                        for c in range(children):
+                            restorer.restore([RestoreItem(keys[s], slots.cpu(), new.cpu())
+                                              for cc, s, slots, _, new in work if cc == c])
+                        timings[f"service_restore_ms[{name}]"] = (time.perf_counter() - t0) * 1e3
                     outs.append(part[0][1].clone() if name == "whole" else
                                 torch.stack([tensor for _, tensor in part]).reshape(layout.physical_shape))
             finally:

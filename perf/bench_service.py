@@ -2,28 +2,29 @@
 
 What each timed path includes (the same work on both sides, so the ratio is the service's own cost):
 
-* in-process: ``place_many`` (RoPE shift) from originals already resident on the restoring device
-  into a local cache, then a synchronisation. On CUDA the originals are uploaded once before
-  timing, because the service keeps device copies of the originals it has restored from
+* in-process: the local cache's ``kmesh_gpu.PlacementPlan`` (``prepare`` then ``Launch.run``, with
+  the RoPE shift) from originals already resident on the restoring device, then a
+  synchronisation. On CUDA the originals are uploaded once before timing, because the service keeps device copies of the originals it has restored from
   (``ServiceConfig.device_budget_bytes``) and has made them during the warm-up.
-* service: the client request (binary index arrays; the client's re-recorded interprocess event
-  when its stream has work queued),
-  the socket round trip, authorisation, bounds checks and block reservation, the same
-  ``place_many`` from the service's device copies into the registered cache (CUDA IPC or shared
-  memory), waiting for the copy's completion event, releasing the holds and the reply.
+* service: ``ServiceRestorer.restore`` (the restore contract over a ``CacheClient``): the client
+  request (binary index arrays; the client's re-recorded interprocess event when its stream has
+  work queued), the socket round trip, authorisation, bounds checks and block reservation, one
+  prepare of the registration's placement plan from the service's device copies into the
+  registered cache (CUDA IPC or shared memory), waiting for the copy's completion event,
+  releasing the holds and the reply.
 
 Index inputs (``--inputs``), the same for both paths, so that neither pays a conversion the other
 does not: ``tensors`` (default; what a model runner holds: the child's slot and new-position
-int64 CPU tensors, built once before timing) go to ``place_many`` as they are and to
-``CacheClient.restore`` as they are (the client sends their memory without converting it).
+int64 CPU tensors, built once before timing) go to the plan's ``prepare`` as they are and to
+``ServiceRestorer.restore`` as they are (the client sends their memory without converting it).
 ``lists`` (Python lists of ints): each path converts every list inside its timed region with the
-same call, ``numpy.asarray(values, dtype=int64)`` (the in-process path then views it as a tensor
-with ``torch.from_numpy``; the client sends the array). Both convert the same 8 lists.
+same call, ``numpy.asarray(values, dtype=int64)`` viewed as a tensor with ``torch.from_numpy``
+(the restore contract's items are int64 tensors). Both convert the same 8 lists.
 
 Seed-size child (seed §24): 4 shared segments of 104 tokens, 24 layers, 2 KV heads, head size 64,
 bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block size 16).
 
-* Paired comparison: the same restore in-process (resident originals -> place_many)
+* Paired comparison: the same restore in-process (resident originals -> the plan's prepare and run)
   and through the service (request -> the service does the same into the registered cache ->
   reply after the copy's event completed), alternating which goes first, ``--pairs`` pairs (21 by
   default). Reports medians per path, the median and quartiles of the paired ratios (target
@@ -42,12 +43,12 @@ bf16, placed with a RoPE shift into a 512-token prompt's paged cache (NHD, block
   start to the last one's end), latency, errors, and the service's device memory and open IPC
   mappings before and after (they must return to the baseline).
 
-* Fast lane (CUDA; ``--no-lane`` skips it): the same paired comparison, a back-to-back row and the
-  16 clients again with ``CacheClient(fast_lane=True)``, whose restores go through a polled page of
-  shared memory to a compiled loop in the service (``kmesh_host.service.lane``); the report says how
-  many each path served. Back to back, the in-process restore is also timed through the one compiled
-  call of ``kmesh_gpu._place_driver.place_now`` (the host-tier route's): a lane runs the same
-  compiled preparation, so the lane against it shows what the service itself adds.
+* Channel (CUDA; ``--no-channel`` skips it): the same paired comparison, a back-to-back row and the
+  16 clients again with ``CacheClient(channel=True)``, whose restores go through a polled page of
+  shared memory to a compiled loop in the service (``kmesh_host.service.channel``); the report says
+  how many each route served. Back to back, the in-process restore is also timed through the one
+  compiled call of ``PlacementPlan.place`` (prepare and run in one compiled call on CUDA): a channel
+  runs the same compiled preparation, so the channel against it shows what the service itself adds.
 
 * Stage breakdown (``--timing-runs``, 21 by default, after the paired runs so they do not perturb
   them): further service restores with ``timings=True``; prints the median time between
@@ -85,8 +86,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kmesh_gpu import KVLayout, RopeSpec, place_many  # noqa: E402
-from kmesh_host.service import CacheClient, CacheService, RestoreItem, ServiceConfig, SharedCache  # noqa: E402
+from kmesh_gpu import KVLayout, PlacementPlan, RopeSpec  # noqa: E402
+from kmesh_host import ModelFingerprint  # noqa: E402
+from kmesh_host.restore import RestoreItem, ServiceRestorer  # noqa: E402
+from kmesh_host.service import CacheClient, CacheService, ServiceConfig, SharedCache  # noqa: E402
 from kmesh_host.service import protocol  # noqa: E402
 
 LAYERS, HEADS, HEAD, SEGMENTS, SEG_TOKENS, PROMPT, BLOCK = 24, 2, 64, 4, 104, 512, 16
@@ -121,26 +124,36 @@ def child_rope(shape: Shape = SEED) -> RopeSpec:
     return RopeSpec(shape.head, shape.head, 1e6, True, 32768, torch.bfloat16)
 
 
-def _key(shape: Shape, i: int) -> str:
-    return f"seg{i}" if shape is SEED else f"{shape.name}/seg{i}"
+def child_fingerprint(shape: Shape = SEED) -> ModelFingerprint:
+    return ModelFingerprint("BenchForCausalLM", shape.layers, shape.heads, shape.head, "bfloat16",
+                            child_rope(shape).to_dict())
 
 
 def originals(seed: int = 0, shape: Shape = SEED):
-    """Four segments as the leader saved them: keys post-RoPE at the leader's positions."""
+    """Four segments as the leader saved them: ``(token ids, kv, positions)``, keys post-RoPE at the
+    leader's positions."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(SEGMENTS):
         kv = torch.randn(2, shape.layers, SEG_TOKENS, shape.heads, shape.head, generator=g).to(torch.bfloat16)
-        out.append((_key(shape, i), kv, torch.arange(i * SEG_TOKENS, (i + 1) * SEG_TOKENS, dtype=torch.int64)))
+        pos = torch.arange(i * SEG_TOKENS, (i + 1) * SEG_TOKENS, dtype=torch.int64)
+        out.append((pos + 1000, kv, pos))
     return out
 
 
-def child_plan(shape: Shape = SEED):
-    """Where the child puts each segment: after a 16-token preamble, 8 tokens of other text between."""
+def put_originals(client, shape: Shape = SEED) -> list[str]:
+    """The four segments published through ``client``: their keys."""
+    fp = child_fingerprint(shape)
+    return [client.put(kv, tok, pos, model_fingerprint=fp) for tok, kv, pos in originals(shape=shape)]
+
+
+def child_plan(keys, shape: Shape = SEED):
+    """Where the child puts each segment (``keys``: the service's): after a 16-token preamble, 8
+    tokens of other text between."""
     plan, p = [], 16
     for i in range(SEGMENTS):
         pos = list(range(p, p + SEG_TOKENS))
-        plan.append((_key(shape, i), pos, pos))  # slots = positions in a fresh 512-token prompt
+        plan.append((keys[i], pos, pos))  # slots = positions in a fresh 512-token prompt
         p += SEG_TOKENS + 8
     return plan
 
@@ -159,53 +172,53 @@ def index_inputs(plan, kind: str):
 
 
 def as_index_tensor(values) -> torch.Tensor:
-    """What the in-process path does with one index input: a tensor is used as it is; a list is
-    converted with the very call the client uses for lists (``numpy.asarray(..., int64)``)."""
+    """What both paths do with one index input: a tensor is used as it is; a list is converted
+    (``numpy.asarray(..., int64)``, viewed as a tensor)."""
     if isinstance(values, torch.Tensor):
         return values
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def child_setup(device: str, inputs: str = "tensors", shape: Shape = SEED) -> tuple:
-    """``(layout, rope, plan, resident)``: the child's cache layout and RoPE spec, its plan with the
-    index inputs of ``inputs`` (:func:`index_inputs`), and the originals already on ``device`` (as
-    the in-process path restores them)."""
-    resident = [(k, kv.to(device), p) for k, kv, p in originals(shape=shape)]
-    return child_layout(shape), child_rope(shape), index_inputs(child_plan(shape), inputs), resident
+def child_setup(device: str, keys, inputs: str = "tensors", shape: Shape = SEED) -> tuple:
+    """``(layout, rope, plan, resident)``: the child's cache layout and RoPE spec, its plan over
+    ``keys`` with the index inputs of ``inputs`` (:func:`index_inputs`), and the originals already
+    on ``device`` (as the in-process path restores them)."""
+    resident = [(k, kv.to(device), p) for k, (_, kv, p) in zip(keys, originals(shape=shape))]
+    return child_layout(shape), child_rope(shape), index_inputs(child_plan(keys, shape), inputs), resident
 
 
-def in_process_restore(cache, layout, rope, resident_originals, plan, device: str) -> None:
-    """``resident_originals``: ``(key, kv, positions)`` with ``kv`` already on ``device``; ``plan``:
-    ``(key, slots, new_positions)`` from :func:`index_inputs`."""
+def _inputs(resident_originals, plan):
     kvs, slots, old, new = [], [], [], []
     for (key, kv, pos), (_, slot, newpos) in zip(resident_originals, plan):
         kvs.append(kv)
         slots.append(as_index_tensor(slot))
         old.append(pos)
         new.append(as_index_tensor(newpos))
-    caches = cache if isinstance(cache, torch.Tensor) else [cache] * len(kvs)  # (a per-layer list: every item's)
-    place_many(kvs, caches, layout, slots, rope=rope, old_positions=old, new_positions=new)
+    return kvs, slots, old, new
+
+
+def in_process_restore(placement: PlacementPlan, resident_originals, plan, device: str) -> None:
+    """``placement``: the local cache's plan (with the RoPE spec); ``resident_originals``: ``(key, kv,
+    positions)`` with ``kv`` already on ``device``; ``plan``: ``(key, slots, new_positions)`` from
+    :func:`index_inputs`. Prepared and run in two steps (the validation and tables, then the launch)."""
+    kvs, slots, old, new = _inputs(resident_originals, plan)
+    placement.prepare(kvs, slots, old_positions=old, new_positions=new).run()
     sync(device)
 
 
-def in_process_compiled(cache, layout, rope, resident_originals, plan, device: str) -> None:
-    """The same restore in-process through the one compiled call the host-tier route uses
-    (``kmesh_gpu._place_driver.place_now``: indices gathered, checked, tabulated, uploaded and the
-    run kernel launched in compiled code), then a synchronisation: the fastest in-process path,
-    what a lane's compiled request path is compared with besides ``place_many``."""
-    from kmesh_gpu import _place_driver
-
-    addrs, shapes, slots, old, new = [], [], [], [], []
-    for (key, kv, pos), (_, slot, newpos) in zip(resident_originals, plan):
-        addrs.append(kv.data_ptr())
-        shapes.append(tuple(kv.shape))
-        slots.append(as_index_tensor(slot))
-        old.append(pos)
-        new.append(as_index_tensor(newpos))
-    if not _place_driver.place_now(addrs, shapes, resident_originals[0][1].dtype, cache, layout, slots, rope=rope,
-                                   old_positions=old, new_positions=new):
-        raise RuntimeError("place_now declined the seed child")
+def in_process_compiled(placement: PlacementPlan, resident_originals, plan, device: str) -> None:
+    """The same restore in-process through ``PlacementPlan.place`` (on CUDA one compiled call:
+    indices gathered, checked, tabulated, uploaded and the run kernel launched), then a
+    synchronisation: the fastest in-process path, what a channel's compiled request path is compared
+    with besides the two-step one."""
+    kvs, slots, old, new = _inputs(resident_originals, plan)
+    placement.place(kvs, slots, old_positions=old, new_positions=new)
     sync(device)
+
+
+def service_items(plan) -> list[RestoreItem]:
+    """The restore contract's items of ``plan`` (a list input converted as the in-process path does)."""
+    return [RestoreItem(k, as_index_tensor(s), as_index_tensor(p)) for k, s, p in plan]
 
 
 def _alloc(layout, device, per_layer: bool = False):
@@ -242,20 +255,20 @@ def _close(shared) -> None:
         x.close()
 
 
-def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, barrier, out,
-                 fast_lane: bool = False) -> None:
+def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, inputs: str, keys, barrier, out,
+                 channel: bool = False) -> None:
     errors, times, first, start, end, counts = [], [], None, None, None, None
     try:
-        layout, plan = child_layout(), index_inputs(child_plan(), inputs)
+        layout, plan = child_layout(), index_inputs(child_plan(keys), inputs)
         shared, registrable, _ = _alloc(layout, device)
-        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s, fast_lane=fast_lane) as c:
-            reg = c.register(registrable, layout, rope=child_rope())
-            items = [RestoreItem(k, s, p) for k, s, p in plan]
+        with CacheClient(socket_path, timeout=300, reply_spin_s=reply_spin_s, channel=channel) as c:
+            restorer = ServiceRestorer(c, registrable, layout, model_fingerprint=child_fingerprint(),
+                                       rope=child_rope())
             # one restore before the start line: the first opens this client's interprocess event
             # in the service and maps its cache there, costs a worker pays once per registration
             t0 = time.perf_counter()
             try:
-                c.restore(reg, items)
+                restorer.restore(service_items(plan))
             except Exception as exc:
                 errors.append(f"first restore: {type(exc).__name__}: {exc}")
             first = time.perf_counter() - t0
@@ -264,45 +277,47 @@ def _client_proc(socket_path: str, device: str, rounds: int, reply_spin_s, input
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 try:
-                    c.restore(reg, items)
+                    restorer.restore(service_items(plan))
                 except Exception as exc:
                     errors.append(f"{type(exc).__name__}: {exc}")
                 times.append(time.perf_counter() - t0)
             end = time.monotonic()
-            counts = dict(c.lane_counts)
-            if not c.close_registration(reg, timeout=120):
-                errors.append("close_registration: copies still pending")
+            counts = dict(c.route_counts)
+            try:
+                restorer.close()
+            except Exception as exc:
+                errors.append(f"close: {type(exc).__name__}: {exc}")
         if shared is not None:
             registrable = None
             shared.close()
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     out.put({"pid": os.getpid(), "errors": errors, "times": times, "first_s": first, "start": start, "end": end,
-             "lane_counts": counts})
+             "route_counts": counts})
 
 
-def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = None, timing_runs: int | None = None,
-           per_layer: bool = False) -> dict:
+def paired(args, client, socket_path, keys, shape: Shape = SEED, pairs: int | None = None,
+           timing_runs: int | None = None, per_layer: bool = False) -> dict:
     """``per_layer``: both paths restore into one allocation per layer (the service's registration
     is of those allocations), as vLLM allocates its caches."""
     device = args.device
     pairs = args.pairs if pairs is None else pairs
     timing_runs = args.timing_runs if timing_runs is None else timing_runs
-    layout, rope, plan, resident = child_setup(device, args.inputs, shape)  # uploaded once, like the service's copies
+    layout, rope, plan, resident = child_setup(device, keys, args.inputs, shape)  # uploaded once, like the service's
     sync(device)
     shared, registrable, svc_cache = _alloc(layout, device, per_layer)
     local = _local(layout, device, per_layer)
-    reg = client.register(registrable, layout, rope=rope)
-    items = [RestoreItem(k, s, p) for k, s, p in plan]
+    placement = PlacementPlan(local, layout, rope=rope)
+    restorer = ServiceRestorer(client, registrable, layout, model_fingerprint=child_fingerprint(shape), rope=rope)
 
     def run_local():
         t0 = time.perf_counter()
-        in_process_restore(local, layout, rope, resident, plan, device)
+        in_process_restore(placement, resident, plan, device)
         return time.perf_counter() - t0
 
     def run_service():
         t0 = time.perf_counter()
-        client.restore(reg, items)
+        restorer.restore(service_items(plan))
         return time.perf_counter() - t0
 
     for _ in range(args.warmup):
@@ -320,12 +335,12 @@ def paired(args, client, socket_path, shape: Shape = SEED, pairs: int | None = N
     stages = None
     if timing_runs > 0:
         rows = []
-        for _ in range(timing_runs):
-            client.restore(reg, items, timings=True)
+        for _ in range(timing_runs):  # (the client's own call: the contract has no timings)
+            client.restore(restorer.registration, [(k, s, p) for k, s, p in plan], timings=True)
             rows.append(client.last_timings)
         stages = stage_medians(rows)
-    client.close_registration(reg, timeout=120)
-    svc_cache = registrable = None
+    restorer.close()
+    svc_cache = registrable = restorer = None
     _close(shared)
     ratios = sorted(b / a for a, b in zip(loc, svc))
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
@@ -363,7 +378,7 @@ def stage_medians(rows) -> list:
     return out
 
 
-def back_to_back(args, client, lane_client=None) -> dict:
+def back_to_back(args, client, keys, channel_client=None) -> dict:
     """Each path run ``args.back_to_back`` times in a row (medians, us): the steady state of a
     worker that restores through one path only. The paired runs above alternate the paths, and on
     a GPU without MPS every switch between the client's and the service's CUDA contexts costs both
@@ -372,11 +387,11 @@ def back_to_back(args, client, lane_client=None) -> dict:
     client then records no interprocess event: nothing of its context runs between the service's
     copies)."""
     device = args.device
-    layout, rope, plan, resident = child_setup(device, args.inputs)
+    layout, rope, plan, resident = child_setup(device, keys, args.inputs)
     shared, registrable, _ = _alloc(layout, device)
     local = layout.allocate(device, fill=0)
-    reg = client.register(registrable, layout, rope=rope)
-    items = [RestoreItem(k, s, p) for k, s, p in plan]
+    placement = PlacementPlan(local, layout, rope=rope)
+    restorer = ServiceRestorer(client, registrable, layout, model_fingerprint=child_fingerprint(), rope=rope)
 
     def timed(fn) -> float:
         for _ in range(5):
@@ -388,40 +403,44 @@ def back_to_back(args, client, lane_client=None) -> dict:
             out.append(time.perf_counter() - t)
         return statistics.median(out) * 1e6
 
-    rows = {"in_process": timed(lambda: in_process_restore(local, layout, rope, resident, plan, device)),
-            "service_default_stream": timed(lambda: client.restore(reg, items))}
+    rows = {"in_process": timed(lambda: in_process_restore(placement, resident, plan, device)),
+            "service_default_stream": timed(lambda: restorer.restore(service_items(plan)))}
     compiled_ok = None
     if device == "cuda":
         local2 = layout.allocate(device, fill=0)
-        rows["in_process_compiled"] = timed(lambda: in_process_compiled(local2, layout, rope, resident, plan, device))
+        placement2 = PlacementPlan(local2, layout, rope=rope)
+        rows["in_process_compiled"] = timed(lambda: in_process_compiled(placement2, resident, plan, device))
         compiled_ok = torch.equal(_bytes(local), _bytes(local2))
     if device == "cuda":
         with torch.cuda.stream(torch.cuda.Stream()):
-            rows["service_idle_side_stream"] = timed(lambda: client.restore(reg, items))
-    client.close_registration(reg, timeout=120)
-    if lane_client is not None:
-        lane_reg = lane_client.register(registrable, layout, rope=rope)
-        rows["service_lane"] = timed(lambda: lane_client.restore(lane_reg, items))
-        lane_client.close_registration(lane_reg, timeout=120)
+            rows["service_idle_side_stream"] = timed(lambda: restorer.restore(service_items(plan)))
+    restorer.close()
+    if channel_client is not None:
+        through = ServiceRestorer(channel_client, registrable, layout, model_fingerprint=child_fingerprint(),
+                                  rope=rope)
+        rows["service_channel"] = timed(lambda: through.restore(service_items(plan)))
+        through.close()
+        through = None
+    restorer = None
     registrable = None
     if shared is not None:
         shared.close()
     rows["ratios"] = {k: rows[k] / rows["in_process"] for k in rows if k.startswith("service")}
-    if "service_lane" in rows and "in_process_compiled" in rows:
-        rows["lane_to_in_process_compiled"] = rows["service_lane"] / rows["in_process_compiled"]
+    if "service_channel" in rows and "in_process_compiled" in rows:
+        rows["channel_to_in_process_compiled"] = rows["service_channel"] / rows["in_process_compiled"]
     return {"runs": args.back_to_back, "median_us": rows, "in_process_compiled_identical": compiled_ok}
 
 
-def concurrent(args, client, socket_path, on_start=None, on_end=None, fast_lane: bool = False) -> dict:
+def concurrent(args, client, socket_path, keys, on_start=None, on_end=None, channel: bool = False) -> dict:
     """``on_start()`` / ``on_end()``: called as the clients pass their start line and once every
-    client has reported (tools measuring the service around the run). ``fast_lane``: the clients
-    restore through lanes (``CacheClient(fast_lane=True)``)."""
+    client has reported (tools measuring the service around the run). ``channel``: the clients
+    restore through channels (``CacheClient(channel=True)``)."""
     ctx = mp.get_context("spawn")
     before = client.status()
     barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_proc,
-                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, barrier, out,
-                               fast_lane))
+                         args=(socket_path, args.device, args.rounds, args.reply_spin_s, args.inputs, keys, barrier,
+                               out, channel))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -459,9 +478,9 @@ def concurrent(args, client, socket_path, on_start=None, on_end=None, fast_lane:
     window = max(ends) - min(starts) if starts and len(ends) == len(results) else None
     firsts = [r["first_s"] for r in results if r["first_s"] is not None]
     mem_key = "device_memory_allocated"
-    served = [r["lane_counts"] for r in results if r.get("lane_counts")]
+    served = [r["route_counts"] for r in results if r.get("route_counts")]
     return {"clients": args.clients, "rounds": args.rounds, "restores": restores, "errors": len(errors),
-            "fast_lane": fast_lane, "through_lane": sum(c["lane"] for c in served),
+            "channel": channel, "through_channel": sum(c.get("channel", 0) for c in served),
             "through_socket": sum(c["socket"] for c in served),
             "error_samples": errors[:5], "wall_s": wall, "window_s": window,
             "restores_per_s": restores / window if window else None,
@@ -471,7 +490,7 @@ def concurrent(args, client, socket_path, on_start=None, on_end=None, fast_lane:
             "registrations_after": len(after["registrations"]), "pending_ops_after": len(after["pending_ops"]),
             "open_ipc_mappings_before": before["open_ipc_mappings"], "open_ipc_mappings_after": after["open_ipc_mappings"],
             "device_memory_before": before.get(mem_key), "device_memory_after": after.get(mem_key),
-            "service_device_originals_bytes": after["sources"].get("device_bytes"),
+            "service_device_originals_bytes": after["originals"].get("device_bytes"),
             "memory_back_to_baseline": before.get(mem_key) == after.get(mem_key)
             and after["open_ipc_mappings"] == before["open_ipc_mappings"] and not after["registrations"]}
 
@@ -528,12 +547,12 @@ def transport_floor(args, request_bytes: int, spins: dict) -> dict:
             "quartiles_us": [q[0] * 1e6, q[2] * 1e6]}
 
 
-def shape_sweep(args, client, socket_path) -> list:
+def shape_sweep(args, client, socket_path, keys) -> list:
     """The paired comparison into per-layer allocations (``--per-layer-pairs``; vLLM's own) and for
     larger children (``--shapes``): the service's fixed cost against the restore's size."""
     rows = []
     if args.per_layer_pairs > 0:
-        r = paired(args, client, socket_path, SEED, pairs=args.per_layer_pairs, timing_runs=0, per_layer=True)
+        r = paired(args, client, socket_path, keys, SEED, pairs=args.per_layer_pairs, timing_runs=0, per_layer=True)
         rows.append({"shape": {**dataclasses.asdict(SEED), "name": "seed, per-layer"}, "per_layer": True,
                      "child_mib": SEED.child_bytes / 2**20,
                      **{k: r[k] for k in ("in_process_median_ms", "service_median_ms", "median_paired_ratio",
@@ -541,10 +560,9 @@ def shape_sweep(args, client, socket_path) -> list:
                                           "bit_identical")}})
     for name in [n for n in args.shapes.split(",") if n]:
         shape = SHAPES[name]
-        for key, kv, pos in originals(shape=shape):
-            client.put(key, kv, pos)
-        r = paired(args, client, socket_path, shape, pairs=args.shape_pairs, timing_runs=0)
-        for key, _, _ in originals(shape=shape):
+        shape_keys = put_originals(client, shape)
+        r = paired(args, client, socket_path, shape_keys, shape, pairs=args.shape_pairs, timing_runs=0)
+        for key in shape_keys:
             client.evict(key)
         rows.append({"shape": dataclasses.asdict(shape), "per_layer": False, "child_mib": shape.child_bytes / 2**20,
                      **{k: r[k] for k in ("in_process_median_ms", "service_median_ms", "median_paired_ratio",
@@ -579,8 +597,8 @@ def main(argv=None) -> int:
                          "0 on cpu; 0: skip)")
     ap.add_argument("--floor-rounds", type=int, default=201,
                     help="round trips of the transport floor (0: skip it)")
-    ap.add_argument("--no-lane", action="store_true",
-                    help="skip the fast lane's runs (CacheClient(fast_lane=True); on cuda they run by default)")
+    ap.add_argument("--no-channel", action="store_true",
+                    help="skip the channel's runs (CacheClient(channel=True); on cuda they run by default)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args(argv)
     if args.shapes is None:
@@ -593,26 +611,27 @@ def main(argv=None) -> int:
     sock_dir = tempfile.mkdtemp(prefix="kmsb-")
     socket_path = os.path.join(sock_dir, "svc", "kmesh.sock")
     cfg = ServiceConfig(socket_path=socket_path, host_budget_bytes=1 << 30, receive_spin_s=args.receive_spin_s)
-    lanes = args.device == "cuda" and not args.no_lane
+    channels = args.device == "cuda" and not args.no_channel
     with CacheService(cfg), CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s,
-                                        fast_lane=False) as client, \
-            CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s, fast_lane=True) as lane_client:
+                                        channel=False) as client, \
+            CacheClient(socket_path, timeout=300, reply_spin_s=args.reply_spin_s, channel=True) as channel_client:
         spins = {"reply_spin_s": client.reply_spin_s,
                  "receive_spin_s": protocol.spin_default(args.receive_spin_s, 2e-3)}
-        for key, kv, pos in originals():
-            client.put(key, kv, pos)
-        pair = paired(args, client, socket_path)
-        lane_pair = None
-        if lanes:
-            lane_pair = paired(args, lane_client, socket_path, timing_runs=0)
-            lane_pair["served"] = dict(lane_client.lane_counts)
-        steady = back_to_back(args, client, lane_client if lanes else None) if args.back_to_back > 0 else None
-        sweep = shape_sweep(args, client, socket_path)
-        conc = concurrent(args, client, socket_path) if args.clients > 0 else None
-        conc_lane = concurrent(args, client, socket_path, fast_lane=True) if args.clients > 0 and lanes else None
-        lane_status = client.status().get("lanes")
+        keys = put_originals(client)
+        pair = paired(args, client, socket_path, keys)
+        channel_pair = None
+        if channels:
+            channel_pair = paired(args, channel_client, socket_path, keys, timing_runs=0)
+            channel_pair["served"] = dict(channel_client.route_counts)
+        steady = back_to_back(args, client, keys, channel_client if channels else None) \
+            if args.back_to_back > 0 else None
+        sweep = shape_sweep(args, client, socket_path, keys)
+        conc = concurrent(args, client, socket_path, keys) if args.clients > 0 else None
+        conc_channel = concurrent(args, client, socket_path, keys, channel=True) \
+            if args.clients > 0 and channels else None
+        channel_status = client.status().get("channels")
         counters = client.status()["counters"]
-        placements = {k: counters.get(k) for k in ("placements_one_array", "placements_per_item")}
+        placements = {k: counters.get(k) for k in ("placements_one_prepare", "placements_two_prepares")}
     shutil.rmtree(sock_dir, ignore_errors=True)
     floor = None
     if args.floor_rounds > 0:
@@ -625,8 +644,8 @@ def main(argv=None) -> int:
               "workload": {"segments": SEGMENTS, "tokens_per_segment": SEG_TOKENS, "layers": LAYERS, "kv_heads": HEADS,
                            "head_size": HEAD, "dtype": "bfloat16", "prompt_tokens": PROMPT, "block_size": BLOCK},
               "index_inputs": args.inputs, "polling": spins, "paired": pair, "back_to_back": steady,
-              "concurrent": conc, "service_placements": placements, "lane_paired": lane_pair,
-              "lane_concurrent": conc_lane, "lane_status": lane_status,
+              "concurrent": conc, "service_placements": placements, "channel_paired": channel_pair,
+              "channel_concurrent": conc_channel, "channel_status": channel_status,
               "transport_floor": floor, "larger_children": sweep,
               "command": "python perf/bench_service.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(args.out, exist_ok=True)
@@ -653,24 +672,24 @@ def main(argv=None) -> int:
         print(f"back to back ({steady['runs']} restores per path, medians): in-process {m['in_process']:.1f} us, "
               + ", ".join(f"{k.replace('_', ' ')} {m[k]:.1f} us ({r:.2f}x)" for k, r in m["ratios"].items()))
         if "in_process_compiled" in m:
-            lane = (f"; the lane {m['lane_to_in_process_compiled']:.2f}x of it"
-                    if "lane_to_in_process_compiled" in m else "")
-            print(f"  in-process through the compiled single call (_place_driver.place_now): "
-                  f"{m['in_process_compiled']:.1f} us, bit-identical to place_many: "
-                  f"{steady['in_process_compiled_identical']}{lane}")
+            through = (f"; the channel {m['channel_to_in_process_compiled']:.2f}x of it"
+                       if "channel_to_in_process_compiled" in m else "")
+            print(f"  in-process through the compiled single call (PlacementPlan.place): "
+                  f"{m['in_process_compiled']:.1f} us, bit-identical to prepare and run: "
+                  f"{steady['in_process_compiled_identical']}{through}")
     if pair["stages_us"]:
         print(f"service path stages, median of {args.timing_runs} restores (us):")
         for label, us in pair["stages_us"]:
             print(f"  {label:<42}{us:>10.1f}")
-    if lane_pair:
-        lo, hi = lane_pair["paired_ratio_quartiles"]
-        blk = lane_pair["median_block_ratio"]
-        print(f"fast lane (CacheClient(fast_lane=True)), paired with the in-process restore: medians "
-              f"{lane_pair['in_process_median_ms']:.3f} / {lane_pair['service_median_ms']:.3f} ms, paired ratio "
-              f"{lane_pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}), balanced blocks "
+    if channel_pair:
+        lo, hi = channel_pair["paired_ratio_quartiles"]
+        blk = channel_pair["median_block_ratio"]
+        print(f"channel (CacheClient(channel=True)), paired with the in-process restore: medians "
+              f"{channel_pair['in_process_median_ms']:.3f} / {channel_pair['service_median_ms']:.3f} ms, paired ratio "
+              f"{channel_pair['median_paired_ratio']:.3f} (quartiles {lo:.3f}..{hi:.3f}), balanced blocks "
               + (f"{blk:.3f}" if blk is not None else "n/a")
-              + f", bit-identical: {lane_pair['bit_identical']}, served {lane_pair['served']}")
-    for name, c in (("", conc), (" through lanes", conc_lane)):
+              + f", bit-identical: {channel_pair['bit_identical']}, served {channel_pair['served']}")
+    for name, c in (("", conc), (" through channels", conc_channel)):
         if not c:
             continue
         rate = f"{c['restores_per_s']:.1f}" if c["restores_per_s"] else "n/a"
@@ -678,7 +697,7 @@ def main(argv=None) -> int:
                if c["latency_median_ms"] is not None else "")
         first = (f"first restore per client {c['first_restore_median_ms']:.2f} ms, "
                  if c["first_restore_median_ms"] is not None else "")
-        served = f", served lane/socket {c['through_lane']}/{c['through_socket']}" if c["fast_lane"] else ""
+        served = f", served channel/socket {c['through_channel']}/{c['through_socket']}" if c["channel"] else ""
         print(f"{c['clients']} concurrent clients{name} x {c['rounds']} restores: {rate} restores/s (steady state), "
               f"{lat}{first}errors {c['errors']}, memory back to baseline: {c['memory_back_to_baseline']}{served}")
     if floor:
@@ -696,13 +715,13 @@ def main(argv=None) -> int:
             print(f"  {r['shape']['name']:<16}{r['child_mib']:>10.1f}{r['in_process_median_ms']:>15.3f}"
                   f"{r['service_median_ms']:>12.3f}{r['median_paired_diff_ms']:>9.3f}{r['median_paired_ratio']:>14.3f}"
                   f"{blk:>8}  {r['bit_identical']}")
-    print(f"service placements prepared from the request body as it is: {placements['placements_one_array']}, "
-          f"per item: {placements['placements_per_item']}")
+    print(f"service placements in one prepare of the request body as it is: {placements['placements_one_prepare']}, "
+          f"in two (shifted and plain items mixed): {placements['placements_two_prepares']}")
     print(f"wrote {path}")
     ok = pair["bit_identical"] and all(r["bit_identical"] for r in sweep) \
-        and (lane_pair is None or lane_pair["bit_identical"]) \
+        and (channel_pair is None or channel_pair["bit_identical"]) \
         and (steady is None or steady["in_process_compiled_identical"] is not False)
-    return 0 if ok and all(c is None or c["errors"] == 0 for c in (conc, conc_lane)) else 1
+    return 0 if ok and all(c is None or c["errors"] == 0 for c in (conc, conc_channel)) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ child, 48 MiB for four) into its own paged cache slots at shifted positions (RoP
    within seconds, and a copy measured once, minutes away, can have run at another speed; the
    once-measured figure is still reported beside it. The retained objects were verified when they entered the tier
    (the device tree-root check of the forced read that loaded them, recorded on the tier entry),
-   so the headline variant trusts that check (per child: one H2D per object + one place_many);
+   so the headline variant trusts that check (per child: one H2D per object + one placement launch);
    the ``device re-verify`` variant also recomputes every root on the device. Medians of
    ``--hit-children`` children (40) after ``--hit-warmup`` untimed ones (20).
 3. **Read once**: retention and singleflight on, four children started together after one
@@ -33,6 +33,8 @@ child, 48 MiB for four) into its own paged cache slots at shifted positions (RoP
    diagnostic, the same-shape raw read (the child's four payload ranges read concurrently through
    the route's engine, no GPU): the ceiling of the route's reads at this size.
 
+Every child restores through a ``kmesh_host.InProcessRestorer`` made once per route and
+configuration (``RouteConfig``) for the benchmark's cache, as a worker keeps one per destination.
 Every timed child runs with Python's garbage collector off (as ``timeit`` does); it collects
 between children.
 
@@ -67,10 +69,10 @@ import cpu_speed_map  # noqa: E402  (the interpreter-speed probe, tools/)
 
 from kmesh_gpu import KVLayout, RopeSpec  # noqa: E402
 from kmesh_gpu.errors import BackendError, StorageError  # noqa: E402
-from kmesh_host import HostTier, HostTierConfig, ModelFingerprint, RestoreTarget, SegmentStore, restore  # noqa: E402
+from kmesh_host import (HostTier, HostTierConfig, InProcessRestorer, ModelFingerprint, RestoreItem,  # noqa: E402
+                        RouteConfig, SegmentStore)
 from kmesh_host.direct_io import ENGINES, DirectFile, HostBuffer, ReadEngine, file_o_direct_support  # noqa: E402
-from kmesh_host import routes as routes_mod  # noqa: E402
-from kmesh_host.routes import direct_facts  # noqa: E402
+from kmesh_host.restore.direct import direct_facts  # noqa: E402
 
 MIB = 1 << 20
 L, H, D = 24, 2, 64
@@ -291,8 +293,8 @@ class Workload:
         block = 16
         self.layout = KVLayout.from_vllm("NHD", num_layers=L, num_blocks=-(-per_child * args.children // block) + 1,
                                          block_size=block, num_kv_heads=H, head_size=D, dtype=DTYPE)
-        self.cache = self.layout.allocate(device, fill=0) if args.place else None
-        self.targets = []
+        self.cache = self.layout.allocate(device, fill=0)
+        self.items = []
         for c in range(args.children):
             prefix = 17 + 29 * c  # different preceding text per child
             ts = []
@@ -301,28 +303,44 @@ class Workload:
                 # slot mappings and positions as a scheduler holds them: host tensors
                 slots = torch.arange(start, start + args.tokens, dtype=torch.int64)
                 new = torch.arange(args.tokens, dtype=torch.int64) + prefix + i * (args.tokens + 5)
-                ts.append(RestoreTarget(self.keys[i], slots if args.place else None, new))
-            self.targets.append(ts)
+                ts.append(RestoreItem(self.keys[i], slots, new if self.rope is not None else None))
+            self.items.append(ts)
+        self._restorers: dict = {}  # (route, tier, verify, trust_verified) -> its InProcessRestorer
 
     def drop_page_cache(self):
         for k in self.keys:
             with DirectFile(self.store.local_path(k), direct=False) as f:
                 f.drop_cache()
 
+    def restorer(self, route: str, tier: HostTier, verify: str, trust_verified: bool = True) -> InProcessRestorer:
+        """The restorer of this configuration for the benchmark's cache (made once; the direct route
+        uses no tier)."""
+        key = (route, tier if route == "host_staging" else None, verify, trust_verified)  # (the tier itself: kept alive)
+        found = self._restorers.get(key)
+        if found is None:
+            found = self._restorers[key] = InProcessRestorer(
+                self.store, self.cache, self.layout, model_fingerprint=self.fp, rope=self.rope,
+                tier=tier if route == "host_staging" else None,
+                config=RouteConfig(route=route, verify=verify, trust_verified=trust_verified))
+        return found
+
+    def close(self) -> None:
+        for restorer in self._restorers.values():
+            restorer.close()
+        self._restorers.clear()
+
     def child(self, route: str, c: int, tier: HostTier, *, verify: str, evict: bool,
               trust_verified: bool = True) -> dict:
+        restorer = self.restorer(route, tier, verify, trust_verified)
         with no_gc():
-            return self._child(route, c, tier, verify=verify, evict=evict, trust_verified=trust_verified)
+            return self._child(restorer, c, tier, evict=evict)
 
-    def _child(self, route: str, c: int, tier: HostTier, *, verify: str, evict: bool, trust_verified: bool) -> dict:
+    def _child(self, restorer: InProcessRestorer, c: int, tier: HostTier, *, evict: bool) -> dict:
         t0 = time.perf_counter()
         if evict:
             tier.evict()
             self.drop_page_cache()
-        result = restore(route, self.store, self.targets[c], model_fingerprint=self.fp, device=self.device,
-                         tier=tier, cache=self.cache, layout=self.layout if self.cache is not None else None,
-                         rope=self.rope if self.cache is not None else None, verify=verify,
-                         trust_verified=trust_verified)
+        result = restorer.restore(self.items[c])
         report = result.report
         del result
         sync(self.device)
@@ -336,7 +354,7 @@ class Workload:
 def retained_child(data_dir: str, device: torch.device) -> tuple["Workload", HostTierConfig]:
     """The profiling tools' setup: this benchmark's 12 MiB child (4 objects of 256 tokens, RoPE shift,
     placed) stored under ``data_dir``, and the config of a host tier that retains it in pinned RAM."""
-    wargs = argparse.Namespace(data_dir=data_dir, shift=True, objects=4, tokens=256, place=True, children=4)
+    wargs = argparse.Namespace(data_dir=data_dir, shift=True, objects=4, tokens=256, children=4)
     cfg = HostTierConfig(budget_bytes=64 * MIB, pin=device.type == "cuda", retain=True, singleflight=False,
                          verify="none", read_threads=16, chunk_bytes=MIB, parallel_loads=4)
     return Workload(wargs, device), cfg
@@ -393,23 +411,18 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
     for c in range(args.hit_warmup):
         work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                    trust_verified=trust_verified)
-    routes_mod.TRACE = trace = []  # the route's step stamps: where each child's host time goes
-    runs, steps, cpus, refs = [], {}, [], []
+    runs, cpus, refs = [], [], []
     ref = PairedH2D(work.device, work.child_bytes) if work.device.type == "cuda" else None
     try:
         for c in range(args.hit_children):
             if ref is not None and c % 2 == 0:  # the reference copy first in even pairs, after in odd ones
                 refs.append(ref.once())
-            trace.clear()
             runs.append(work.child("host_staging", c % args.children, tier, verify=args.verify, evict=False,
                                    trust_verified=trust_verified))
             cpus.append(current_cpu())
-            for (_, a), (name, b) in zip(trace, trace[1:]):
-                steps.setdefault(name, []).append(b - a)
             if ref is not None and c % 2 == 1:
                 refs.append(ref.once())
     finally:
-        routes_mod.TRACE = None
         if ref is not None:
             ref.close()
     # the interpreter's speed on this thread's CPU right after the children (virtual CPUs of a
@@ -422,7 +435,6 @@ def host_tier_hits(work: Workload, args, tier: HostTier, *, trust_verified: bool
     med["trust_verified"] = trust_verified
     med["nested_violations"] = sum(not r["nested"] for r in runs)
     med["runs"] = len(runs)
-    med["steps_s"] = {name: statistics.median(v) for name, v in steps.items()}
     med["main_thread_cpus"] = sorted(set(cpus))  # where this thread ran (virtual CPUs may differ in speed)
     med["python_ns_per_iteration"] = python_ns  # tools/cpu_speed_map.py's unit, measured after the children
     if refs:
@@ -443,6 +455,7 @@ def read_once(work: Workload, args, device: torch.device) -> dict:
         work.drop_page_cache()
         barrier = threading.Barrier(args.children)
         results, errors = [None] * args.children, []
+        work.restorer("host_staging", tier, args.verify)  # one restorer for the four children, made first
 
         def child(c):
             try:
@@ -530,9 +543,7 @@ def print_table(res: dict) -> None:
         print(f"Host tier (retained pinned RAM, {label}): restore {fmt_ms(ht['restore_s']).strip()} ms per child, "
               f"{ht['restore_GB_per_s']:.2f} GB/s{extra}; placement preparation "
               f"{fmt_ms(ht['prepare_s']).strip()} ms inside it")
-        print("  steps (ms since the previous one, medians): "
-              + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ht["steps_s"].items())
-              + f"; main thread on CPU {ht.get('main_thread_cpus')}, Python speed there "
+        print(f"  main thread on CPU {ht.get('main_thread_cpus')}, Python speed there "
               f"{ht.get('python_ns_per_iteration', float('nan')):.0f} ns/iteration (tools/cpu_speed_map.py)")
     ro = res["read_once"]
     reads = sorted(set(ro["reads_per_object"].values()))
@@ -596,7 +607,6 @@ def main(argv=None) -> int:
     ap.add_argument("--io-engine", choices=ENGINES, default="auto", help="io_uring where available (auto), or threads")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="read chunk (16 x 1 MiB measured best of 4 settings on the virtio disk)")
     ap.add_argument("--bw-mib", type=int, default=1024, help="size of the sequential-read file")
-    ap.add_argument("--no-place", dest="place", action="store_false", help="skip placement into the cache")
     ap.add_argument("--no-shift", dest="shift", action="store_false", help="place without the RoPE shift")
     ap.add_argument("--hit-children", type=int, default=HIT_CHILDREN, help="host-tier children timed per variant")
     ap.add_argument("--hit-warmup", type=int, default=HIT_WARMUP, help="untimed host-tier children before them")
@@ -636,7 +646,7 @@ def main(argv=None) -> int:
                          "before every child (both routes)",
            "python": platform.python_version(), "torch": torch.__version__,
            "threads": args.threads, "chunk_bytes": args.chunk_kib * 1024, "verify": args.verify,
-           "place": args.place, "rope_shift": args.shift and args.place}
+           "rope_shift": args.shift}
     if "direct" in routes:
         env["direct_facts"] = direct_facts(device)
 
@@ -673,6 +683,7 @@ def main(argv=None) -> int:
     same_shape = raw.summary()
     h2d = h2d_bandwidth(device, work.child_bytes)
     once = read_once(work, args, device)
+    work.close()
 
     summary = summarise_pairs(pairs, routes)
     fractions = {}

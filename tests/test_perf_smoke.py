@@ -48,6 +48,6 @@ def test_bench_service_cpu_mode(tmp_path):
     assert steady["in_process"] > 0 and steady["ratios"]["service_default_stream"] > 0
     c = res["concurrent"]
     assert c["errors"] == 0 and c["restores"] == 6 and c["memory_back_to_baseline"]
-    # CPU registrations are prepared per item (the one-array preparation is the CUDA run kernel's)
+    # every item of the child shifted: one prepare of the registration's plan from the body's arrays each
     placed = res["service_placements"]
-    assert placed["placements_one_array"] == 0 and placed["placements_per_item"] > 0
+    assert placed["placements_one_prepare"] > 0 and placed["placements_two_prepares"] == 0

@@ -1,11 +1,12 @@
 """Atomics for compiled code shared between processes and threads (Numba intrinsics over int64
 arrays), and the registration's spin lock built on them.
 
-The fast lane's loop (:mod:`._lane_jit`) runs without the GIL and changes a registration's block
-holders while the service's Python changes them too (other requests' reservations and releases):
-both sides do so only under the registration's lock, ``lock[0]`` of an int64 array, taken with a
-compare-and-swap. :func:`reserve_locked` and :func:`release_locked` are the registry's compiled
-reservation and release under that lock. Imported on first use (Numba at its top).
+The shared-memory channel's loop (:mod:`._channel_jit`) runs without the GIL and changes a
+registration's block holders while the service's Python changes them too (other requests'
+reservations and releases): both sides do so only under the registration's lock, ``lock[0]`` of an
+int64 array, taken with a compare-and-swap. :func:`reserve_locked` and :func:`release_locked` are
+the registry's compiled reservation and release (:mod:`._passes`) under that lock. Imported on
+first use (Numba at its top).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from . import _compiled
+from . import _passes
 
 
 def _item_ptr(context, builder, arrty, arr, idx, idxty):
@@ -86,7 +87,7 @@ _JIT = dict(nogil=True, cache=True)
 
 @numba.njit(**_JIT)
 def take(lock):
-    """Spin until ``lock[0]`` is ours (0 -> 1). Held only around short steps (a lane's request,
+    """Spin until ``lock[0]`` is ours (0 -> 1). Held only around short steps (a channel request,
     from its checks to its copy's completion, is the longest)."""
     while cas(lock, 0, 0, 1) == 0:
         pass
@@ -99,7 +100,7 @@ def give(lock):
 
 @numba.njit(**_JIT)
 def put(words, i, value):
-    """``words[i] = value``, sequentially consistent (for Python's writes into a lane's page)."""
+    """``words[i] = value``, sequentially consistent (for Python's writes into a channel's page)."""
     store(words, i, value)
 
 
@@ -110,19 +111,19 @@ def get(words, i):
 
 @numba.njit(**_JIT)
 def set_word(lock, words, i, value):
-    """``words[i] = value`` under ``lock`` (after a lane's request in flight has finished)."""
+    """``words[i] = value`` under ``lock`` (after a channel request in flight has finished)."""
     take(lock)
     words[i] = value
     give(lock)
 
 
-_reserve = numba.njit(**_JIT)(_compiled._reserve)
-_release = numba.njit(**_JIT)(_compiled._release)
+_reserve = numba.njit(**_JIT)(_passes.reserve)
+_release = numba.njit(**_JIT)(_passes.release)
 
 
 @numba.njit(**_JIT)
 def reserve_locked(lock, holders, blocks, op_id):
-    """``_compiled._reserve`` under ``lock``: -1 (every block was free and is held now), else the
+    """:func:`._passes.reserve` under ``lock``: -1 (every block was free and is held now), else the
     index in ``blocks`` of the first one already held (nothing changed), or -2 for a block id
     outside ``holders``."""
     take(lock)
@@ -133,7 +134,7 @@ def reserve_locked(lock, holders, blocks, op_id):
 
 @numba.njit(**_JIT)
 def release_locked(lock, holders, blocks, op_id):
-    """``_compiled._release`` under ``lock``: frees those of ``blocks`` that ``op_id`` holds; returns
+    """:func:`._passes.release` under ``lock``: frees those of ``blocks`` that ``op_id`` holds; returns
     how many it did not hold."""
     take(lock)
     foreign = _release(holders, blocks, op_id)

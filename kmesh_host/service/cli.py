@@ -10,14 +10,17 @@ from kmesh_gpu.errors import KmeshError
 
 
 def serve_main(args) -> int:
-    """Run the cache service in the foreground until SIGINT/SIGTERM. Args: socket, store, host_budget_bytes."""
+    """Run the cache service in the foreground until SIGINT/SIGTERM. Args: ``socket``, ``store`` (the
+    segment store of the originals; ``None``: a private one beside the socket, removed at exit),
+    ``host_budget_bytes`` (the host tier's)."""
     from .process import run_foreground
     from .server import ServiceConfig
 
     config = ServiceConfig(socket_path=args.socket, store_root=args.store, host_budget_bytes=args.host_budget_bytes)
 
     def ready(service):
-        print(f"kmesh serve: listening on {config.socket_path} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        print(f"kmesh serve: listening on {config.socket_path} (pid {os.getpid()}), originals in "
+              f"{service.originals.store.root}", file=sys.stderr, flush=True)
 
     try:
         return run_foreground(config, on_ready=ready)

@@ -3,7 +3,10 @@
 One client is one connection; its methods are thread-safe (one request in flight at a time).
 For a GPU registration the client holds one interprocess CUDA event per registration, re-recorded on
 the calling thread's current stream right before each restore or save is sent, so the service's copy
-waits for the client's earlier work on those blocks.
+waits for the client's earlier work on those blocks. A restore goes through one of two transports
+(:mod:`.transports`): the registration's shared-memory channel where it serves the request, else
+the socket.
+
 Errors come back typed: the service's ``OwnershipError``, ``DrainError``, ``LayoutError``,
 ``ProtocolError``, ``SegmentNotFound`` ... are raised here as the same classes. An error that
 concerns a submitted operation carries its id in ``exc.op_id`` (drain it before reusing its blocks).
@@ -15,51 +18,29 @@ out of it has physically finished and the service has unmapped it).
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import json
 import math
-import operator
-import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from kmesh_gpu import _launch  # driver-level event records
+from kmesh_gpu import cuda
 from kmesh_gpu.errors import KmeshError, LayoutError, OwnershipError, ProtocolError, ServiceError
 
-from . import lane as _lane
-from . import protocol
-from . import vmm
+from ..segment import ModelFingerprint, Segment
+from . import protocol, restore_wire, vmm
 from .memory import MemoryHandle, SharedCache, export_cuda
+from .transports import ChannelTransport, RestoreTransport, SocketTransport, int64_array, ints
 from .vmm import VmmCache
-
-
-@dataclass(frozen=True)
-class RestoreItem:
-    """One original to restore: its ``key``, the destination ``slots`` (one per token; -1 skips)
-    and, to shift keys, the ``new_positions`` (one per token; needs a RoPE spec at registration)."""
-
-    key: str
-    slots: list
-    new_positions: list | None = None
-
-    def to_dict(self) -> dict:
-        """A JSON-friendly description (for logs; requests carry the indices as binary int64)."""
-        d = {"key": self.key, "slots": _ints("slots", self.slots)}
-        if self.new_positions is not None:
-            d["new_positions"] = _ints("new_positions", self.new_positions)
-        return d
-
 
 
 @dataclass
 class Registration:
-    """What the client keeps of one registration: the id, its secret and the cache it covers."""
+    """What the client keeps of one registration: the id, its secret and the destination it covers
+    (the cache, its layout, the model's fingerprint and RoPE spec, as registered)."""
 
     reg_id: int
     generation: int
@@ -67,6 +48,8 @@ class Registration:
     layout: object
     handle: MemoryHandle  # a list of them for a per-layer registration
     cache: torch.Tensor = field(repr=False)  # a list of per-layer tensors for a per-layer registration
+    model_fingerprint: ModelFingerprint | None = None
+    rope: object = None  # kmesh_gpu.RopeSpec
     #: the cache's device; CUDA memory: requests carry the client's interprocess event
     device: torch.device = field(init=False, repr=False)
     is_cuda: bool = field(init=False, repr=False)
@@ -86,43 +69,6 @@ class Registration:
             self.secret_bytes = None
 
 
-def _ints(name: str, values) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.dtype != torch.int64 or values.dim() != 1:
-            raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
-                              f"{list(values.shape)}")
-        return values.tolist()
-    try:
-        return [operator.index(v) for v in values]  # int() would truncate 0.5 and parse "1"
-    except TypeError as exc:
-        raise LayoutError(f"{name}: expected integers ({exc})") from exc
-
-
-_I8 = np.dtype("<i8")
-_TENSOR, _TORCH_I8, _STRIDED = torch.Tensor, torch.int64, torch.strided
-_BYTE = ctypes.c_char
-
-
-def _wire_array(name: str, values, keep: list):
-    """``(buffer, value count)``: ``values`` as int64 values for the wire. What a model runner
-    holds, a contiguous 1-D int64 CPU tensor, is sent from its own memory through a byte view made
-    without NumPy (``Tensor.numpy()`` costs several times more, and a restore has two index arrays
-    per item); such a view does not keep the tensor alive, so the tensor goes into ``keep``, which
-    the caller holds until the frame has been sent. Anything else is converted by :func:`_int64`."""
-    if type(values) is _TENSOR and values.dtype is _TORCH_I8 and values.layout is _STRIDED and values.dim() == 1 \
-            and values.is_cpu and values.is_contiguous():
-        n = values.nbytes
-        if not n:
-            return _EMPTY, 0
-        keep.append(values)
-        return memoryview((_BYTE * n).from_address(values.data_ptr())), n >> 3
-    a = _int64(name, values)
-    return a, a.shape[0]
-
-
-_EMPTY = memoryview(b"")
-
-
 def _vmm_export(tensor: torch.Tensor, device: int):
     """``vmm.export`` of a CUDA tensor in virtual (cuMemCreate) memory; ``None`` for other memory
     (CUDA IPC then), and also where this process cannot tell (no cuda.bindings) or the driver's
@@ -140,40 +86,6 @@ def _vmm_export(tensor: torch.Tensor, device: int):
         raise
     except Exception:  # noqa: BLE001 - detection only; CUDA IPC export reports its own errors
         return None
-
-
-def _item_fields(it):
-    """``(key, slots, new_positions or None)`` of a :class:`RestoreItem` or a 2- or 3-tuple; ``None``
-    for anything else (the caller converts or refuses it)."""
-    if type(it) is RestoreItem:
-        return it.key, it.slots, it.new_positions
-    if type(it) is tuple and len(it) == 3:
-        return it
-    if type(it) is tuple and len(it) == 2:
-        return it[0], it[1], None
-    return None
-
-
-def _lane_vector(x, keep: list):
-    """``(address, length)`` of a non-empty contiguous int64 CPU tensor or NumPy array (a list of
-    ints is converted, the array kept in ``keep``), else ``None``."""
-    if type(x) is list:
-        try:
-            x = np.asarray(x)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if x.dtype.kind not in "iu" or x.ndim != 1:  # floats, bools, nested: the socket path names the error
-            return None
-        x = x.astype(np.int64, copy=False)  # (uint64 beyond int64 wraps negative: refused as a slot)
-        keep.append(x)
-    if type(x) is torch.Tensor:
-        if x.dtype is torch.int64 and x.dim() == 1 and not x.is_cuda and x.is_contiguous() and x.shape[0] \
-                and x.device.type == "cpu":
-            return x.data_ptr(), x.shape[0]
-        return None
-    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous and x.shape[0]:
-        return x.ctypes.data, x.shape[0]
-    return None
 
 
 def _export_one(cache, layout, name: str):
@@ -203,38 +115,6 @@ def _export_one(cache, layout, name: str):
     return export_cuda(tensor), tensor, None, None
 
 
-def _int64(name: str, values) -> np.ndarray:
-    """``values`` (an int64[T] tensor, a 1-D integer array or a sequence of integers) as a
-    C-contiguous 1-D little-endian int64 array for the wire: contiguous int64 arrays and CPU
-    tensors are used as they are (no copy), a list is converted with one call."""
-    if isinstance(values, torch.Tensor):
-        if values.layout is not torch.strided:
-            raise LayoutError(f"{name}: expected a strided (dense) int64[T] tensor, got layout {values.layout}")
-        if values.dtype is not torch.int64 or values.dim() != 1:
-            raise LayoutError(f"{name}: expected int64[T], got {str(values.dtype).removeprefix('torch.')}"
-                              f"{list(values.shape)}")
-        a = (values if values.is_cpu else values.cpu()).numpy()
-    elif type(values) is np.ndarray and values.dtype is _I8 and values.ndim == 1:
-        a = values
-    else:
-        try:
-            a = np.asarray(values)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise LayoutError(f"{name}: expected integers ({exc})") from exc
-        if a.ndim != 1:
-            raise LayoutError(f"{name}: expected a flat sequence of integers, got shape {list(a.shape)}")
-        if a.size == 0:
-            a = a.astype(_I8)
-        elif a.dtype.kind not in "iu" or a.dtype.kind == "u" and a.max() > np.iinfo(np.int64).max:
-            # np.asarray(..., dtype=int64) truncates floats, parses strings and wraps uint64 (2**64-1 -> -1: "skip")
-            raise LayoutError(f"{name}: expected int64 integers, got {a.dtype} values")
-    if not a.flags.c_contiguous or a.dtype is not _I8 and a.dtype != _I8:
-        a = np.ascontiguousarray(a, dtype=_I8)
-    return a
-
-
-#: distinct item lists a client keeps encoded (see :func:`.protocol.restore_items`)
-_ITEMS_KEPT = 256
 #: a polled reply up to this size is read with one system call (larger ones in further reads)
 _SCRATCH_BYTES = 1 << 16
 
@@ -249,15 +129,16 @@ class CacheClient:
     woken; polling costs this thread's core for that long (the GIL is released between polls). A
     request polls only when the previous reply came within that time, so a busy service (replies
     that queue) is waited for asleep.
-    ``fast_lane``: serve the restores a lane can (``wait=True``, GPU registrations, see :mod:`.lane`)
-    through a page of shared memory to a compiled loop in the service instead of the socket; each
-    registration's lane opens on its first such restore (a thread of the service, polling 2 ms after
-    each request; this process polls 2 ms for each reply). ``lane_counts`` says how many went which way.
+    ``channel``: serve the restores a channel can (``wait=True``, GPU registrations, see
+    :mod:`.channel`) through a page of shared memory to a compiled loop in the service instead of
+    the socket; each registration's channel opens on its first such restore (a thread of the
+    service, polling 2 ms after each request; this process polls 2 ms for each reply).
+    ``route_counts`` says how many restores went which way, ``last_route`` which way the last one did.
     """
 
     def __init__(self, socket_path: str, *, timeout: float = 120.0,
                  max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES, reply_spin_s: float | None = None,
-                 fast_lane: bool = True):
+                 channel: bool = True):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ServiceError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.socket_path = socket_path
@@ -268,18 +149,17 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # reg id -> (event, IPC handle)
-        self._items: dict[tuple, protocol.RestoreItems] = {}  # (keys, slot counts, position counts) -> encoded
         #: where a polled reply is read whole (see protocol.read_frame); used under ``_lock``
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         #: the stage timestamps of the last request made with ``timings=True`` (see :meth:`restore`)
         self.last_timings: dict | None = None
-        #: restores the fast lane can serve go through it (see :mod:`.lane`); the rest through the socket
-        self.fast_lane = bool(fast_lane)
-        self._lanes: dict[int, _lane.ClientLane] = {}  # reg id -> this connection's lane
-        self._no_lane: set[int] = set()  # registrations the service opens no lane for
-        self._lane_lock = threading.Lock()  # one lane opened per registration, whichever thread asks first
-        #: restores served through a lane / sent through the socket while ``fast_lane`` was on
-        self.lane_counts = {"lane": 0, "socket": 0}
+        #: the transports a restore is offered to, in order (the socket serves every request)
+        self._transports: list[RestoreTransport] = ([ChannelTransport(self)] if channel else []) + \
+            [SocketTransport(self)]
+        self.channel = bool(channel)
+        #: restores per transport name; ``last_route``: the last restore's
+        self.route_counts = {t.name: 0 for t in self._transports}
+        self.last_route: str | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -398,9 +278,8 @@ class CacheClient:
                 self._sock.close()
                 self._sock = None
             self._events.clear()
-            lanes, self._lanes = list(self._lanes.values()), {}
-        for lane in lanes:
-            lane.close()
+        for transport in self._transports:
+            transport.close()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -424,17 +303,17 @@ class CacheClient:
         The legacy default stream (0) is queried like any other: a query follows default-stream
         semantics, so it also reports the other blocking streams' earlier work still running (what
         a record there would wait for; checked on the GPU by
-        ``tests/kmesh_host/test_service_events.py``), and non-blocking streams are covered by
+        ``tests/kmesh_host/service/test_events.py``), and non-blocking streams are covered by
         neither."""
-        stream = _launch.current_stream(reg.device_index)
-        if _launch.stream_query(stream):
+        stream = cuda.current_stream(reg.device_index)
+        if cuda.stream_query(stream):
             return None
         entry = self._events.get(reg.reg_id)
         if entry is None:
             event = torch.cuda.Event(interprocess=True)
             event.record(torch.cuda.current_stream(reg.device_index))  # creates it on the cache's device
             entry = self._events[reg.reg_id] = (event, bytes(event.ipc_handle()))
-        elif not _launch.record_event(entry[0].cuda_event, stream):
+        elif not cuda.record_event(entry[0].cuda_event, stream):
             entry[0].record(torch.cuda.current_stream(reg.device_index))  # where the driver call is declined
         return entry[1]
 
@@ -445,36 +324,53 @@ class CacheClient:
             h.pop(k, None)
         return h
 
-    def put(self, key: str, kv: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None = None) -> None:
-        """Upload a shared original (``kv`` ``(2, L, T, H, D)``, ``positions`` int64[T]) to the host tier."""
-        tensors = {"kv": kv, "positions": positions}
-        if token_ids is not None:
-            tensors["token_ids"] = token_ids
-        descr, body = protocol.pack_tensors(tensors)
-        self.call({"op": "put", "key": key, "tensors": descr}, body)
+    def put(self, kv: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, *,
+            model_fingerprint: ModelFingerprint) -> str:
+        """Publish a segment as a shared original (``kv`` ``(2, L, T, H, D)`` keys post-RoPE at
+        ``positions``, ``token_ids`` and ``positions`` int64[T]): the service writes it to its
+        segment store and keeps it resident in its host tier. Returns its key (the store's:
+        ``SegmentStore.put`` of the same segment returns the same key)."""
+        if not isinstance(model_fingerprint, ModelFingerprint):
+            raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
+        descr, body = protocol.pack_tensors({"kv": kv, "positions": positions, "token_ids": token_ids})
+        reply = self.call({"op": "put", "tensors": descr, "model_fingerprint": model_fingerprint.to_dict()}, body)
+        return protocol.field(reply.header, "key", str)
 
-    def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Download an original: ``(kv, positions, token_ids or None)`` on the CPU."""
-        reply = self.call({"op": "get", "key": key})
+    def get(self, key: str, *, model_fingerprint: ModelFingerprint) -> Segment:
+        """Download an original (read through the service's host tier) as a :class:`~kmesh_host.Segment`
+        on the CPU; ``FingerprintMismatch`` when another model saved it."""
+        if not isinstance(model_fingerprint, ModelFingerprint):
+            raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
+        reply = self.call({"op": "get", "key": key, "model_fingerprint": model_fingerprint.to_dict()})
         d = reply.header.get("tensors", {})
         kv = protocol.unpack_tensor(d, reply.body, "kv")
         pos = protocol.unpack_tensor(d, reply.body, "positions")
-        tok = protocol.unpack_tensor(d, reply.body, "token_ids") if "token_ids" in d else None
-        return kv, pos, tok
+        tok = protocol.unpack_tensor(d, reply.body, "token_ids")
+        return Segment(kv=kv, token_ids=tok, positions=pos, key=key, fingerprint=model_fingerprint)
 
     def evict(self, key: str) -> bool:
+        """Drop ``key`` from the service's host tier and its device copies (refused while a pending
+        operation reads it). The segment's file stays in the store: a later restore reads it again.
+        ``True`` when anything was dropped."""
         return bool(self.call({"op": "evict", "key": key}).header.get("evicted"))
 
     # ------------------------------------------------------------------ registrations
-    def register(self, cache, layout, *, instance: int = 0, rope=None) -> Registration:
+    def register(self, cache, layout, *, model_fingerprint: ModelFingerprint, rope=None,
+                 instance: int = 0) -> Registration:
         """Register a cache the service may write: a CUDA tensor (CUDA IPC, or its chunks' file
         descriptors where it lies in virtual memory), a :class:`VmmCache` or a :class:`SharedCache`
         — or a list of ``layout.num_layers`` of them, one allocation per layer (what vLLM allocates),
-        each of ``layout.per_layer().physical_shape``.
+        each of ``layout.per_layer().physical_shape``. A registration is a destination like a
+        :class:`~kmesh_host.restore.Restorer`'s.
 
         ``cache``: the whole allocation described by ``layout`` (``physical_shape``, ``layout.dtype``).
+        ``model_fingerprint``: the model whose KV the cache holds; every original a restore names
+        must have been saved by it, and a save publishes under it.
         ``rope``: the model's ``kmesh_gpu.RopeSpec``, needed to restore with ``new_positions``.
+        ``instance``: a label (the worker's rank, say); it grants nothing.
         """
+        if not isinstance(model_fingerprint, ModelFingerprint):
+            raise LayoutError(f"model_fingerprint: expected a ModelFingerprint, got {type(model_fingerprint).__name__}")
         per_layer = isinstance(cache, (list, tuple))
         if per_layer and len(cache) != layout.num_layers:
             raise LayoutError(f"cache: {len(cache)} per-layer allocations for a layout of {layout.num_layers} layers")
@@ -483,7 +379,8 @@ class CacheClient:
         try:
             for i, c in enumerate(cache if per_layer else [cache]):
                 parts.append(_export_one(c, view, f"cache[{i}]" if per_layer else "cache"))
-            header = {"op": "register", "layout": layout.to_dict(), "instance": int(instance)}
+            header = {"op": "register", "layout": layout.to_dict(), "instance": int(instance),
+                      "model_fingerprint": model_fingerprint.to_dict()}
             if per_layer:
                 header["layers"] = [p[0].to_dict() for p in parts]
             else:
@@ -508,26 +405,29 @@ class CacheClient:
         handle = [p[0] for p in parts] if per_layer else parts[0][0]
         tensor = [p[1] for p in parts] if per_layer else parts[0][1]
         return Registration(protocol.field(h, "reg", int), protocol.field(h, "generation", int),
-                            protocol.field(h, "secret", str), layout, handle, tensor)
+                            protocol.field(h, "secret", str), layout, handle, tensor, model_fingerprint, rope)
 
     def attach(self, reg: Registration) -> None:
         """Use ``reg`` (registered by this process) over this connection too."""
         self.call({"op": "attach", **self._auth(reg)})
 
     def restore(self, reg: Registration, items, *, wait: bool = True, timeout: float | None = None,
-                model_fingerprint: dict | None = None, inject: dict | None = None, timings: bool = False) -> int:
+                inject: dict | None = None, timings: bool = False) -> int:
         """Restore originals into the registration's slots; returns the operation id.
 
+        ``items``: :class:`~kmesh_host.restore.RestoreItem` objects or ``(key, slots[, new_positions])``
+        tuples (slots and positions: int64 tensors or arrays, or sequences of ints; a slot -1 skips
+        a token; ``new_positions`` shifts the keys, with the registration's RoPE spec).
         ``wait=True``: returns after the copy has physically finished (the blocks are usable).
-        On a GPU registration such a restore goes through this connection's fast lane where the lane
-        serves it (see :mod:`.lane` and ``fast_lane``); it then returns 0 (nothing is left to drain).
-        ``wait=False``: returns once submitted; call :meth:`drain` (or :meth:`acquire`) before
-        reading or reusing the blocks.
+        On a GPU registration such a restore goes through this connection's channel where the
+        channel serves it (see :mod:`.channel` and ``channel``); it then returns 0 (nothing is left
+        to drain). ``wait=False``: returns once submitted; call :meth:`drain` (or :meth:`acquire`)
+        before reading or reusing the blocks.
         ``timings=True``: record where the time went; :attr:`last_timings` then holds
         ``{"client": {...}, "service": {...}}``, monotonic nanoseconds (one clock for both processes
         on Linux). Client: ``start`` (call entered), ``built`` (request encoded), ``sent``,
         ``received`` (reply read). Service: ``received`` (frame read), ``parsed`` (header decoded),
-        ``validated`` (authorised, items and originals checked, slots bounds-checked against the
+        ``validated`` (authorised, originals found and checked, slots bounds-checked against the
         registration, blocks reserved), ``resolved`` (device copies of the originals found),
         ``prepared`` (placement validated and its launch tables built), ``launched``,
         ``completed`` (completion event observed, holds released), ``reply_sent`` (reply built,
@@ -535,227 +435,37 @@ class CacheClient:
         """
         stamps = {"start": time.monotonic_ns()} if timings else None
         secret = reg.secret_bytes
-        if secret is None or len(secret) != protocol.SECRET_BYTES:
-            raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {protocol.SECRET_BYTES} bytes of hex)")
-        if self.fast_lane and wait and not inject and not timings and reg.is_cuda:
-            if not isinstance(items, (list, tuple)):
-                try:
-                    items = list(items)
-                except TypeError as exc:
-                    raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") \
-                        from exc
-            if self._lane_restore(reg, items, timeout, model_fingerprint):
-                self.lane_counts["lane"] += 1
-                return 0
-            self.lane_counts["socket"] += 1
-        keys, slot_counts, position_counts, arrays, shifts = [], [], [], [], []
-        keep: list = []  # tensors sent from their own memory, alive until the frame is sent
-        try:
-            numbered = enumerate(items)
-        except TypeError as exc:
-            raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") from exc
-        for i, it in numbered:
-            fields = _item_fields(it)
-            if fields is not None:
-                key, slots, new_positions = fields
-            else:
-                try:
-                    it = it if isinstance(it, RestoreItem) else RestoreItem(*it)
-                except TypeError as exc:
-                    raise LayoutError(f"items[{i}]: expected a RestoreItem or (key, slots[, new_positions]), "
-                                      f"got {type(it).__name__}") from exc
-                key, slots, new_positions = it.key, it.slots, it.new_positions
-            if type(key) is not str:
-                raise ProtocolError(f"items[{i}].key: expected str, got {type(key).__name__}")
-            s, count = _wire_array("slots", slots, keep)
-            keys.append(key)
-            arrays.append(s)
-            slot_counts.append(count)
-            if new_positions is None:
-                position_counts.append(None)
-            else:
-                p, count = _wire_array("new_positions", new_positions, keep)
-                shifts.append(p)
-                position_counts.append(count)
-        arrays += shifts  # the body: every item's slots, then the shifted items' new positions
-        signature = (tuple(keys), tuple(slot_counts), tuple(position_counts))
-        encoded = self._items.get(signature)
-        if encoded is None:
-            encoded = protocol.restore_items(*signature)
-            if len(self._items) >= _ITEMS_KEPT:
-                self._items.clear()
-            self._items[signature] = encoded
-        inject = inject or None
-
-        def build(rid, event):
-            return protocol.restore_frame(encoded, rid, reg.reg_id, secret, arrays, wait=wait, timeout=timeout,
-                                          timings=timings, wait_event=event, model_fingerprint=model_fingerprint,
-                                          inject=inject, max_body_bytes=self.max_body_bytes)
-
-        rid, flags, buf, body = self._exchange("restore", build, reg, stamps)
-        raw = memoryview(buf)[:len(buf) - len(body)]
-        if not flags & protocol.FLAG_BINARY:  # a typed error reply
-            header = protocol.decode_header(raw)
-            self._check_reply(header, rid)
-            raise ProtocolError(f"reply to 'restore': JSON success {header!r} where a binary reply was expected")
-        reply = protocol.decode_restore_reply(raw, body)
-        if reply.request_id != rid:
-            raise self._desynchronized(f"reply id {reply.request_id} does not match request {rid}")
-        if stamps is not None:
-            self.last_timings = {"client": stamps, "service": reply.timings or {}}
-        return reply.op_id
-
-    # ------------------------------------------------------------------ the fast lane
-    def _lane_restore(self, reg: Registration, items, timeout, model_fingerprint) -> bool:
-        """Serve ``items`` through this connection's lane of ``reg`` (opened on first use): ``True``
-        once restored; ``False`` when the lane does not serve this request (the caller sends it
-        through the socket, where any error is named)."""
-        J = _lane.jit()
-        if J is None:
-            return False
-        J = J[0]
-        n = len(items)
-        if not 0 < n <= J.MAX_ITEMS:
-            return False
-        lane = self._lanes.get(reg.reg_id)
-        if lane is None or lane.closed is not False:
-            with self._lane_lock:
-                lane = self._lanes.get(reg.reg_id)
-                if lane is not None and lane.closed is not False:
-                    self._drop_lane(reg.reg_id)
-                    lane = None
-                if lane is None:
-                    if reg.reg_id in self._no_lane:
-                        return False
-                    lane = self._open_lane(reg)
-                    if lane is None:
-                        return False
-        fp = None if model_fingerprint is None else json.dumps(model_fingerprint, sort_keys=True)
-        parsed, keep = [], []  # keep: arrays made from lists here, alive until the request is written
-        shifted = None
-        for it in items:
-            fields = _item_fields(it)
-            if fields is None:
-                return False
-            key, slots, new_positions = fields
-            s = _lane_vector(slots, keep)
-            p = None if new_positions is None else _lane_vector(new_positions, keep)
-            if type(key) is not str or s is None or (new_positions is not None and (p is None or p[1] != s[1])):
-                return False
-            if shifted is None:
-                shifted = p is not None
-                if shifted and not lane.shifted:
-                    return False  # the registration's RoPE spec is not one the lane's kernel applies
-            elif shifted != (p is not None):
-                return False  # some shifted, some not: the socket path places them apart
-            parsed.append((key, s, p))
-        handles = lane.handles
-        missing = [k for k, _, _ in parsed if (k, fp) not in handles]
-        if missing:
-            header = {"op": "lane_keys", **self._auth(reg), "lane": lane.op_id, "keys": list(dict.fromkeys(missing))}
-            if model_fingerprint is not None:
-                header["model_fingerprint"] = model_fingerprint
+        if secret is None or len(secret) != restore_wire.SECRET_BYTES:
+            raise OwnershipError(f"registration {reg.reg_id}: wrong secret (not {restore_wire.SECRET_BYTES} bytes "
+                                 "of hex)")
+        if not isinstance(items, (list, tuple)):
             try:
-                got = self.call(header).header.get("handles")
-            except KmeshError:  # a missing key, another fingerprint: the socket path says so
-                return False
-            if not isinstance(got, list) or len(got) != len(header["keys"]):
-                raise ProtocolError("reply to 'lane_keys': expected one handle per key")
-            for k, hnd in zip(header["keys"], got):
-                if hnd is not None:
-                    handles[(k, fp)] = tuple(hnd)
-            if any((k, fp) not in handles for k in missing):
-                return False
-        rows, srcs = lane.items, lane.srcs
-        T = 0
-        for i, (key, s, p) in enumerate(parsed):
-            row, gen, count = handles[(key, fp)]
-            if count != s[1]:
-                return False
-            rows[3 * i], rows[3 * i + 1], rows[3 * i + 2] = row, gen, count
-            srcs[i] = s[0]
-            if p is not None:
-                srcs[n + i] = p[0]
-            T += count
-        flags = J.SHIFTED if shifted else 0
-        deadline = time.monotonic() + (self.timeout if timeout is None else min(float(timeout), self.timeout))
-        with self._lock:
-            if lane.closed is not False:
-                return False
-            # the client's earlier work on these blocks comes first: with work queued on this
-            # thread's stream, the lane's event is recorded after it and the copy waits for it (under
-            # the lock: no other request re-records it before the service has queued that wait)
-            stream = _launch.current_stream(reg.device_index)
-            if _launch.stream_query(stream) is not True:
-                if not _launch.record_event(lane.event.cuda_event, stream):
-                    lane.event.record(torch.cuda.current_stream(reg.device_index))
-                flags |= J.AFTER_EVENT
-            code = lane.call(n, T, flags, deadline)
-        if code == J.OK:
-            return True
-        if code == J.STALE:
-            handles.clear()
-        elif code in (J.CLOSED, J.GONE):
-            self._drop_lane(reg.reg_id)
-        elif code == J.STUCK:
-            self._drop_lane(reg.reg_id)
-            exc = ServiceError(f"restore through lane {lane.op_id}: its copy's completion could not be observed; "
-                               f"its blocks stay held until the lane's operation {lane.op_id} drains")
-            exc.op_id = lane.op_id
-            raise exc
-        return False  # declined, busy, refused by the driver: nothing of it is in flight
+                items = list(items)
+            except TypeError as exc:
+                raise LayoutError(f"items: expected an iterable of restore items, got {type(items).__name__}") \
+                    from exc
+        for transport in self._transports:
+            op = transport.restore(reg, items, wait=wait, timeout=timeout, inject=inject, stamps=stamps)
+            if op is not None:
+                self.route_counts[transport.name] += 1
+                self.last_route = transport.name
+                return op
+        raise ServiceError("restore: no transport served the request")  # the socket serves every request
 
-    def _open_lane(self, reg: Registration):
-        """This connection's lane for ``reg``, or ``None`` (remembered when the service has none for it)."""
-        if _lane.functions(False) is None:
-            self._no_lane.add(reg.reg_id)
-            return None
-        max_tokens = min(reg.layout.num_slots, _lane.MAX_TOKENS)
-        page, fd = _lane.Page.create(max_tokens)
-        efds = [_lane.new_eventfd(), _lane.new_eventfd()]
-        try:
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(reg.device_index))  # creates it on the cache's device
-
-            def send_descriptors(sock):
-                socket.send_fds(sock, [vmm.FD_MARK], [fd, *efds])
-
-            h = self._call({"op": "lane", **self._auth(reg), "fds": 3, "max_tokens": max_tokens,
-                            "event": bytes(event.ipc_handle()).hex()}, after=send_descriptors).header
-            lane = _lane.ClientLane(reg.reg_id, protocol.field(h, "lane", int), page, efds[0], efds[1])
-            lane.shifted = protocol.field(h, "shifted", bool)
-            lane.event = event
-        except BaseException as exc:
-            page.close()
-            for x in efds:
-                os.close(x)
-            if isinstance(exc, OwnershipError):  # closed, not this client's: the socket path says so
-                return None
-            if isinstance(exc, KmeshError):  # no lane for this registration here: not asked again
-                self._no_lane.add(reg.reg_id)
-                return None
-            raise
-        finally:
-            os.close(fd)
-        self._lanes[reg.reg_id] = lane
-        return lane
-
-    def _drop_lane(self, reg_id: int) -> None:
-        lane = self._lanes.pop(reg_id, None)
-        if lane is not None:
-            lane.close()
-
-    def save(self, reg: Registration, key: str, slots, positions, token_ids=None, *, wait: bool = True,
-             timeout: float | None = None, inject: dict | None = None) -> int:
-        """Copy the registration's ``slots`` into a new host original ``key`` (published once drained)."""
-        arrays = {"slots": _int64("slots", slots), "positions": _int64("positions", positions)}
-        if token_ids is not None:
-            arrays["token_ids"] = _int64("token_ids", token_ids)
+    def save(self, reg: Registration, slots, token_ids, positions, *, timeout: float | None = None,
+             inject: dict | None = None) -> str:
+        """Copy the registration's ``slots`` into a new original (``token_ids``, and the ``positions``
+        its keys were rotated at; the registration's model fingerprint) and return its key, once the
+        copy has drained and the service has published it. A save whose wait fails raises with
+        ``op_id`` and is published when a later drain succeeds (a save of the same content then
+        returns its key)."""
+        arrays = {"slots": int64_array("slots", slots), "positions": int64_array("positions", positions),
+                  "token_ids": int64_array("token_ids", token_ids)}
         tensors, body = protocol.pack_int64(arrays)
-        header = {"op": "save", **self._auth(reg), "key": key, "tensors": tensors, "wait": wait, "timeout": timeout}
+        header = {"op": "save", **self._auth(reg), "tensors": tensors, "timeout": timeout}
         if inject:
             header["inject"] = inject
-        return protocol.field(self._call(header, body, event_for=reg).header, "op", int)
+        return protocol.field(self._call(header, body, event_for=reg).header, "key", str)
 
     def cancel(self, reg: Registration, op_id: int) -> dict:
         """Discard an operation's result. Its blocks stay held until it has drained."""
@@ -775,7 +485,7 @@ class CacheClient:
     def acquire(self, reg: Registration, blocks, *, timeout: float | None = None) -> list[int]:
         """Wait until no submitted copy can still write ``blocks`` (drains the operations holding
         them); afterwards the client may recompute into them. Returns the drained operation ids."""
-        header = {"op": "acquire", **self._auth(reg), "blocks": _ints("blocks", blocks), "timeout": timeout}
+        header = {"op": "acquire", **self._auth(reg), "blocks": ints("blocks", blocks), "timeout": timeout}
         return protocol.int_list(self.call(header).header, "drained")
 
     def close_registration(self, reg: Registration, *, timeout: float | None = None) -> bool:
@@ -785,5 +495,6 @@ class CacheClient:
         h = self.call({"op": "close", **self._auth(reg), "timeout": timeout}).header
         with self._lock:
             self._events.pop(reg.reg_id, None)
-            self._drop_lane(reg.reg_id)
+        for transport in self._transports:
+            transport.forget(reg.reg_id)
         return protocol.field(h, "freed", bool)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kmesh_gpu import _launch
+from kmesh_gpu import cuda
 from kmesh_gpu.errors import DrainError
 
 from .registry import Completion
@@ -25,7 +25,7 @@ class CudaEventCompletion(Completion):
     timed one polls ``query`` at growing intervals (CUDA events have no timed wait).
 
     ``event`` may be recorded again for a later copy once a wait has returned ``True`` (the service
-    reuses a synchronous request's event, see :meth:`_Service.restore`): a wait that starts after
+    reuses a synchronous request's event, see :mod:`.restores`): a wait that starts after
     that waits for the later copy too, which finishes after this one.
     """
 
@@ -36,9 +36,9 @@ class CudaEventCompletion(Completion):
 
     def _query(self) -> bool:
         """Whether the event's last record has completed: the driver's query (it keeps the GIL,
-        see :data:`kmesh_gpu._launch.HOLD_GIL`), torch's where that is not available (which
+        see :mod:`kmesh_gpu.cuda`), torch's where that is not available (which
         raises a device error properly)."""
-        done = _launch.event_query(self.event.cuda_event)
+        done = cuda.event_query(self.event.cuda_event)
         return self.event.query() if done is None else done
 
     def wait(self, timeout: float | None) -> bool:

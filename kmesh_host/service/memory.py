@@ -13,9 +13,9 @@ Kinds of handle (:class:`MemoryHandle`):
   among them: each physical chunk under the cache exported as a POSIX file descriptor, sent over
   the socket after the register frame and mapped side by side in the service (:mod:`.vmm`).
 
-Ownership: the client allocates and frees its cache. The service maps it in :func:`open_handle`
-and unmaps it (``close``) only when the registry has released the registration, that is after
-every copy into or out of it has physically finished.
+Ownership: the client allocates and frees its cache. The service maps it
+(:func:`.registrations.open_handle`) and unmaps it (``close``) only when the registry has released
+the registration, that is after every copy into or out of it has physically finished.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import math
 import mmap
 import os
 import re
+import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -34,6 +35,8 @@ from kmesh_gpu.errors import KmeshError, LayoutError, ProtocolError
 
 HANDLE_KINDS = ("shm", "cuda_ipc", "cuda_vmm")
 CUDA_IPC_HANDLE_BYTES = 64
+#: the most chunks one virtual-memory registration may have (a 64 GiB cache in 2 MiB chunks is 32768)
+MAX_CHUNKS = 1 << 16
 _MAX_SHM_NAME = 250
 _SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,249}")
@@ -90,12 +93,25 @@ class MemoryHandle:
         if kind == "cuda_ipc" and (len(raw) != CUDA_IPC_HANDLE_BYTES or device < 0):
             raise ProtocolError(f"memory: a cuda_ipc handle is {CUDA_IPC_HANDLE_BYTES} bytes on a device >= 0")
         if kind == "cuda_vmm":
-            from .vmm import decode_sizes
-
             if device < 0:
                 raise ProtocolError("memory: a cuda_vmm handle is on a device >= 0")
             decode_sizes(raw)
         return cls(kind, raw, offset, nbytes, device)
+
+
+def encode_sizes(sizes) -> bytes:
+    """A ``cuda_vmm`` handle: the chunks' sizes, little-endian uint64 each, in address order."""
+    return struct.pack(f"<{len(sizes)}Q", *sizes)
+
+
+def decode_sizes(raw: bytes) -> list[int]:
+    """The chunk sizes of a ``cuda_vmm`` handle, checked (:class:`ProtocolError` otherwise)."""
+    if not raw or len(raw) % 8 or len(raw) // 8 > MAX_CHUNKS:
+        raise ProtocolError(f"memory: a cuda_vmm handle is 1..{MAX_CHUNKS} uint64 chunk sizes, got {len(raw)} bytes")
+    sizes = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+    if min(sizes) == 0 or sum(sizes) > (1 << 50):
+        raise ProtocolError("memory: cuda_vmm chunk sizes must be positive and add up to at most 2**50 bytes")
+    return sizes
 
 
 def cache_nbytes(layout) -> int:
@@ -214,7 +230,7 @@ class LayerMappings(Mapping):
             m.close()
 
 
-class _ShmMapping(Mapping):
+class ShmMapping(Mapping):
     """Maps the client's segment directly from ``/dev/shm``: attaching through
     ``multiprocessing.shared_memory`` would enrol the segment with a resource tracker (shared with
     the parent under spawn) that may unlink memory the client owns."""
@@ -263,7 +279,7 @@ def device_bytes(addr: int, nbytes: int, device: int) -> torch.Tensor:
     return torch.as_tensor(arr, device=f"cuda:{device}")
 
 
-class _CudaIpcMapping(Mapping):
+class CudaIpcMapping(Mapping):
     def __init__(self, h: MemoryHandle, table: "DeviceMappings"):
         self._table, self._key, self._device = table, h.handle, h.device
         base = table.open(h.handle, h.device)
@@ -314,19 +330,3 @@ class DeviceMappings:
 
     def __len__(self) -> int:
         return len(self._open)
-
-
-def open_handle(h: MemoryHandle, device_mappings: DeviceMappings, fds=None) -> Mapping:
-    """Map a client's allocation into this process (service side). ``fds``: the request's
-    :class:`~.vmm.FdStream` (cuda_vmm: the chunks' descriptors, read here)."""
-    if h.kind == "cuda_vmm":
-        from .vmm import FdStream, VmmMapping
-
-        return VmmMapping(h, fds if fds is not None else FdStream(None, 0, None))
-    if h.kind == "shm":
-        return _ShmMapping(h)
-    if h.kind == "cuda_ipc":
-        if not torch.cuda.is_available():
-            raise ProtocolError("memory: a cuda_ipc handle was sent to a service without CUDA")
-        return _CudaIpcMapping(h, device_mappings)
-    raise ProtocolError(f"memory.kind: {h.kind!r} is not supported (supported: {HANDLE_KINDS})")

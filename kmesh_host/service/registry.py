@@ -90,7 +90,9 @@ class Registration:
     secret: bytes
     layout: object  # kmesh_gpu.KVLayout
     memory: object  # opaque to the registry; handed to release_memory once drained
-    extra: dict = field(default_factory=dict)
+    #: what the service writes into and how (its typed record, see ``registrations.Destination``);
+    #: opaque to the registry
+    destination: object = None
     state: str = REG_OPEN
     connections: set = field(default_factory=set)
     ops: dict = field(default_factory=dict)  # op id -> Op, not yet drained
@@ -98,14 +100,11 @@ class Registration:
     #: registry's lock); an array, so that a request's blocks are checked and reserved at once
     holders: np.ndarray = field(init=False, repr=False)
     #: the registration's spin lock (``lock[0]``, see ``_atomics``): the holders change under it
-    #: (and under the registry's lock) once a fast lane may change them without the GIL
+    #: (and under the registry's lock) once a channel may change them without the GIL
     lock: np.ndarray = field(init=False, repr=False)
     #: the layout's slot count and block size, looked up once (every request is checked against them)
     num_slots: int = field(init=False, repr=False)
     block_size: int = field(init=False, repr=False)
-    #: the service's memo of what it derived from this registration's requests (never authority:
-    #: every entry is re-validated against what it was derived from before it is used)
-    memo: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         self.holders = np.zeros(self.layout.num_blocks, dtype=np.int64)
@@ -127,8 +126,8 @@ class Registration:
                 "state": self.state, "memory": self.handle_key.split(b"|", 1)[0].decode("ascii", "replace"),
                 "handle": self.handle_key.hex()[:32], "num_blocks": self.layout.num_blocks,
                 "held_blocks": np.flatnonzero(self.holders).tolist(),
-                "pending_ops": sorted(i for i, op in self.ops.items() if not op.idle_lane),
-                "lanes": sorted(i for i, op in self.ops.items() if op.kind == "lane")}
+                "pending_ops": sorted(i for i, op in self.ops.items() if not op.idle_channel),
+                "channels": sorted(i for i, op in self.ops.items() if op.kind == "channel")}
 
 
 def _closed_gate() -> threading.Lock:
@@ -166,10 +165,11 @@ class Op:
         return True
 
     @property
-    def idle_lane(self) -> bool:
-        """A fast lane holding nothing between requests (it is pending until stopped, but no copy is:
-        status lists it under ``lanes``); a stuck lane holds its last request's blocks and is listed."""
-        return self.kind == "lane" and not self.blocks.size
+    def idle_channel(self) -> bool:
+        """A channel holding nothing between requests (it is pending until stopped, but no copy is:
+        status lists it under ``channels``); a stuck channel holds its last request's blocks and is
+        listed."""
+        return self.kind == "channel" and not self.blocks.size
 
     def wait_submitted(self, timeout: float | None) -> bool:
         """Block until the operation has been submitted (``timeout`` seconds at most; ``None``: no
@@ -206,7 +206,7 @@ class Registry:
 
     # ------------------------------------------------------------------ registrations
     def register(self, identity: PeerIdentity, *, instance: int, handle_key: bytes, layout, memory,
-                 extra: dict | None = None) -> Registration:
+                 destination=None) -> Registration:
         """A new registration with a fresh generation and secret (both returned to the client)."""
         with self._lock:
             other = self._live_handles.get(handle_key)
@@ -216,7 +216,7 @@ class Registry:
             gen = self._next_generation
             self._next_generation += 1
             reg = Registration(gen, handle_key, identity, int(instance), secrets.token_bytes(32), layout, memory,
-                               dict(extra or {}))
+                               destination)
             self._regs[gen] = reg
             self._live_handles[handle_key] = gen
             return reg
@@ -392,7 +392,7 @@ class Registry:
 
     def _begin_locked(self, reg: Registration, kind: str, blocks: np.ndarray, sources: tuple, compiled) -> Op:
         """:meth:`begin` where the holders change under the registration's lock, taken before the
-        registry's own: a fast lane's request in flight holds the registration's lock until its
+        registry's own: a channel request in flight holds the registration's lock until its
         copy has completed (which may wait for the client's own work), and only this registration's
         requests wait for that, never the whole registry (nothing takes the two the other way round)."""
         holders = reg.holders
@@ -599,6 +599,6 @@ class Registry:
     def snapshot(self) -> dict:
         with self._lock:
             regs = [r.describe() for r in self._regs.values()]
-            ops = [op.describe() for r in self._regs.values() for op in r.ops.values() if not op.idle_lane]
+            ops = [op.describe() for r in self._regs.values() for op in r.ops.values() if not op.idle_channel]
             return {"registrations": regs, "pending_ops": ops, "held_sources": self._source_holds(),
                     "retired": len(self._retired), "next_generation": self._next_generation}

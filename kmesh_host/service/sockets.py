@@ -1,4 +1,6 @@
-"""Unix-socket set-up of the cache service: a private directory, a 0600 socket, peer credentials."""
+"""Unix-socket set-up of the cache service: a private directory, a 0600 socket, peer credentials,
+and the file descriptors that follow a request's frame (``SCM_RIGHTS``: a virtual-memory cache's
+chunks, a channel's page and eventfds)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,14 @@ import socket
 import stat
 import struct
 
-from kmesh_gpu.errors import OwnershipError, ServiceError
+from kmesh_gpu.errors import KmeshError, OwnershipError, ProtocolError, ServiceError
 
 from .registry import PeerIdentity
+
+#: SCM_RIGHTS carries at most 253 descriptors per message on Linux (SCM_MAX_FD)
+FDS_PER_MESSAGE = 253
+#: the byte that carries each batch of descriptors
+FD_MARK = b"\x00"
 
 
 def prepare_socket_dir(socket_path: str) -> None:
@@ -81,3 +88,73 @@ def name_native_thread(name: str) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+class FdStream:
+    """The descriptors a client sends after a request's frame (a register's virtual-memory chunks, a
+    channel's page and eventfds): ``count`` of them (service side; one per request that announces
+    ``fds``), in messages of at most :data:`FDS_PER_MESSAGE`, each message carrying descriptors of
+    one memory only (a per-layer registration sends each layer's in its own messages).
+
+    :meth:`read` takes the next ``n`` and hands each to ``on_fd(fd)``, which must not keep it (each
+    is closed right after). All ``n`` are read even when ``on_fd`` raises (the first such error is
+    raised at the end), so the connection stays in step; :meth:`drain` reads and closes whatever was
+    not read (a request refused before its memory was mapped). A message that is missing, late or
+    malformed raises :class:`ProtocolError`; the stream is then out of step, and the connection's
+    next read closes it.
+    """
+
+    def __init__(self, sock: socket.socket | None, count: int, timeout: float | None):
+        if sock is None and count:
+            raise ProtocolError("memory: file descriptors announced on a connection that cannot carry them")
+        self.sock, self.count, self.timeout = sock, int(count), timeout
+        self.left = self.count
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def read(self, on_fd, n: int | None = None) -> None:
+        n = self.left if n is None else n
+        if not 0 < n <= self.left:
+            raise ProtocolError(f"memory: {n} file descriptors wanted, {self.left} of {self.count} announced are left")
+        first_error = None
+        sock = self.sock
+        previous = sock.gettimeout()
+        sock.settimeout(self.timeout)
+        try:
+            got = 0
+            while got < n:
+                try:
+                    msg, fds, flags, _ = socket.recv_fds(sock, 1, FDS_PER_MESSAGE)
+                except OSError as exc:  # socket.timeout included
+                    self.left = -1  # out of step: nothing more is read from this stream
+                    raise ProtocolError(f"memory: {n - got} of {n} file descriptors did not arrive ({exc})") from exc
+                try:
+                    if msg != FD_MARK or not 0 < len(fds) <= n - got or flags & getattr(socket, "MSG_CTRUNC", 0):
+                        self.left = -1
+                        raise ProtocolError(f"memory: expected a message of 1..{n - got} file descriptors, got "
+                                            f"{len(fds)} with {msg!r}")
+                    for fd in fds:
+                        if first_error is None:
+                            try:
+                                on_fd(fd)
+                            except BaseException as exc:  # read on: the stream stays in step
+                                first_error = exc
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                got += len(fds)
+                self.left -= len(fds)
+        finally:
+            sock.settimeout(previous)
+        if first_error is not None:
+            raise first_error
+
+    def drain(self) -> None:
+        """Read and close the descriptors not read yet (errors ignored: the connection then closes)."""
+        if self.left > 0:
+            try:
+                self.read(lambda fd: None)
+            except KmeshError:
+                pass

@@ -24,21 +24,17 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-import struct
 import threading
 
 import torch
 
 from kmesh_gpu.errors import KmeshError, LayoutError, ProtocolError
 
-from .memory import Mapping, MemoryHandle, cache_nbytes, device_bytes
+from .memory import MAX_CHUNKS, Mapping, MemoryHandle, cache_nbytes, decode_sizes, device_bytes, encode_sizes
+from .sockets import FD_MARK, FDS_PER_MESSAGE, FdStream
 
-#: SCM_RIGHTS carries at most 253 descriptors per message on Linux (SCM_MAX_FD)
-FDS_PER_MESSAGE = 253
-#: the most chunks one registration may have (a 64 GiB cache in 2 MiB chunks is 32768)
-MAX_CHUNKS = 1 << 16
-#: the byte that carries each batch of descriptors
-FD_MARK = b"\x00"
+__all__ = ["CudaVmm", "VmmCache", "VmmMapping", "driver", "export", "find_chunks", "release_all", "send_fd_batches"]
+
 #: the walk that finds a chunk's edges gives up after this many granules on either side of the cache
 _MAX_WALK = 1 << 22
 
@@ -58,19 +54,6 @@ def driver():
             else:
                 _driver = CudaVmm()
         return _driver
-
-
-def encode_sizes(sizes) -> bytes:
-    return struct.pack(f"<{len(sizes)}Q", *sizes)
-
-
-def decode_sizes(raw: bytes) -> list[int]:
-    if not raw or len(raw) % 8 or len(raw) // 8 > MAX_CHUNKS:
-        raise ProtocolError(f"memory: a cuda_vmm handle is 1..{MAX_CHUNKS} uint64 chunk sizes, got {len(raw)} bytes")
-    sizes = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
-    if min(sizes) == 0 or sum(sizes) > (1 << 50):
-        raise ProtocolError("memory: cuda_vmm chunk sizes must be positive and add up to at most 2**50 bytes")
-    return sizes
 
 
 class CudaVmm:
@@ -344,76 +327,6 @@ def release_all(drv, handles) -> None:
 
 
 # ---------------------------------------------------------------------------------- service side
-class FdStream:
-    """The descriptors a client sends after its register frame: ``count`` of them (service side;
-    one per register request that announces ``fds``), in messages of at most
-    :data:`FDS_PER_MESSAGE`, each message carrying descriptors of one memory only (a per-layer
-    registration sends each layer's in its own messages).
-
-    :meth:`read` takes the next ``n`` and hands each to ``on_fd(fd)``, which must not keep it (each
-    is closed right after). All ``n`` are read even when ``on_fd`` raises (the first such error is
-    raised at the end), so the connection stays in step; :meth:`drain` reads and closes whatever was
-    not read (a request refused before its memory was mapped). A message that is missing, late or
-    malformed raises :class:`ProtocolError`; the stream is then out of step, and the connection's
-    next read closes it.
-    """
-
-    def __init__(self, sock: socket.socket | None, count: int, timeout: float | None):
-        if sock is None and count:
-            raise ProtocolError("memory: file descriptors announced on a connection that cannot carry them")
-        self.sock, self.count, self.timeout = sock, int(count), timeout
-        self.left = self.count
-
-    @property
-    def done(self) -> bool:
-        return self.left == 0
-
-    def read(self, on_fd, n: int | None = None) -> None:
-        n = self.left if n is None else n
-        if not 0 < n <= self.left:
-            raise ProtocolError(f"memory: {n} file descriptors wanted, {self.left} of {self.count} announced are left")
-        first_error = None
-        sock = self.sock
-        previous = sock.gettimeout()
-        sock.settimeout(self.timeout)
-        try:
-            got = 0
-            while got < n:
-                try:
-                    msg, fds, flags, _ = socket.recv_fds(sock, 1, FDS_PER_MESSAGE)
-                except OSError as exc:  # socket.timeout included
-                    self.left = -1  # out of step: nothing more is read from this stream
-                    raise ProtocolError(f"memory: {n - got} of {n} file descriptors did not arrive ({exc})") from exc
-                try:
-                    if msg != FD_MARK or not 0 < len(fds) <= n - got or flags & getattr(socket, "MSG_CTRUNC", 0):
-                        self.left = -1
-                        raise ProtocolError(f"memory: expected a message of 1..{n - got} file descriptors, got "
-                                            f"{len(fds)} with {msg!r}")
-                    for fd in fds:
-                        if first_error is None:
-                            try:
-                                on_fd(fd)
-                            except BaseException as exc:  # read on: the stream stays in step
-                                first_error = exc
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                got += len(fds)
-                self.left -= len(fds)
-        finally:
-            sock.settimeout(previous)
-        if first_error is not None:
-            raise first_error
-
-    def drain(self) -> None:
-        """Read and close the descriptors not read yet (errors ignored: the connection then closes)."""
-        if self.left > 0:
-            try:
-                self.read(lambda fd: None)
-            except KmeshError:
-                pass
-
-
 class VmmMapping(Mapping):
     """The service's mapping of a client's VMM cache: the chunks imported from their descriptors
     and mapped side by side in an address range reserved here. :meth:`close` unmaps and frees it.

@@ -3,11 +3,10 @@ settings (unpinned, small chunks), and a bounded wait."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kmesh_host import HostTier, HostTierConfig, ModelFingerprint, SegmentStore
+from tests.helpers.waiting import settle
 
 FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e6})
 OTHER_FP = ModelFingerprint("Qwen2ForCausalLM", 2, 2, 8, "bfloat16", {"base": 1e4})
@@ -30,9 +29,7 @@ def tier_for(store, **kw) -> HostTier:
     return HostTier(store, HostTierConfig(**kw))
 
 
-def wait_until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+def wait_until(cond, timeout: float = 30.0) -> None:
+    """Poll ``cond`` until it holds (tests/helpers/waiting.py:settle); fail after ``timeout``."""
+    if not settle(cond, timeout, 0.002):
+        raise AssertionError("condition not reached")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """The service's compiled host passes (Numba is a dependency: their absence is a failure, not a skip)."""
-    from kmesh_host.service import _compiled
+@pytest.fixture
+def direct_dir(tmp_path):
+    """A directory whose files are read with O_DIRECT (tmp_path unless its filesystem refuses it;
+    the test skips, naming the refusals, where no candidate takes it): for tests of the O_DIRECT path."""
+    from tests.helpers.io import o_direct_dir
 
-    c = _compiled.compiled()
-    if c is None:
-        pytest.fail("Numba is a dependency: the service's compiled passes must be available")
-    return c
+    with o_direct_dir(tmp_path) as d:
+        yield d

@@ -1,6 +1,6 @@
 """SegmentStore on the pyarrow.fs path (root not a plain local path): SubTreeFileSystem over the
 local disk, an fsspec in-memory filesystem through FSSpecHandler, and a dict-backed handler with
-injected faults and NO atomic rename; the host tier and restore_host_staging(device="cpu") on top.
+injected faults and NO atomic rename; the host tier and the in-process restorer (device "cpu") on top.
 
 Every check asserts the store's rule: get/verify/read_header give exactly the data written or raise
 a KmeshError naming the segment; a failed write leaves nothing listed by keys() (and, where its
@@ -27,13 +27,13 @@ from kmesh_host import (
     IntegrityError,
     KmeshError,
     ModelFingerprint,
-    RestoreTarget,
+    RestoreItem,
     SegmentNotFound,
     SegmentStore,
     StorageError,
-    restore_host_staging,
 )
 from tests.helpers.dictfs import DictFS, fail_with
+from tests.helpers.restore import cache_for, fetch, restore_once
 from tests.helpers.segment_craft import read_outcome
 
 try:
@@ -573,8 +573,8 @@ def test_tier_failures_are_typed_and_release_their_buffers(segments, dictfs):
             assert lease.source == "read"
 
 
-def _targets(segs):
-    return [RestoreTarget(k) for k, _, _ in segs]
+def _keys(segs):
+    return [k for k, _, _ in segs]
 
 
 @pytest.mark.parametrize("verify", ["device", "device-batched", "host", "none"])
@@ -582,8 +582,7 @@ def test_host_staging_cpu_is_bit_exact(segments, verify):
     store, segs = segments
     with _tier(store) as tier:
         for round_ in range(2):  # a read, then hits from the retained tier
-            result = restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu", tier=tier,
-                                          verify=verify)
+            result = fetch(store, _keys(segs), model_fingerprint=FP, tier=tier, verify=verify)
             rep = result.report
             assert rep.objects == 3 and rep.tier_sources == ({"read": 3} if round_ == 0 else {"hit": 3})
             for (key, kv, pos), got, seg in zip(segs, result.kv, result.segments()):
@@ -593,24 +592,25 @@ def test_host_staging_cpu_is_bit_exact(segments, verify):
         tier.evict()
         assert tier.pool.in_use_bytes == 0
     # a private tier (no tier passed)
-    result = restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu", verify=verify)
+    result = fetch(store, _keys(segs), model_fingerprint=FP, verify=verify)
     assert all(torch.equal(g.view(torch.uint8), kv.view(torch.uint8)) for g, (_, kv, _) in zip(result.kv, segs))
 
 
 def test_host_staging_cpu_concurrent_restores_read_each_key_once(segments, dictfs):
     store, segs = segments
     gate = threading.Event()
+    children = [cache_for(store, _keys(segs)) for _ in range(3)]  # (each child's cache and items, made first)
     dictfs.handler.faults["open_input"] = lambda path: gate.wait(5)
     results, errors = [], []
     with _tier(store) as tier:
-        def run():
+        def run(layout, cache, items):
             try:
-                results.append(restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu",
-                                                    tier=tier, verify="host"))
+                results.append(restore_once(store, items, cache=cache, layout=layout, model_fingerprint=FP, tier=tier,
+                                            verify="host"))
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run) for _ in range(3)]
+        threads = [threading.Thread(target=run, args=child) for child in children]
         for t in threads:
             t.start()
         threading.Timer(0.3, gate.set).start()
@@ -632,24 +632,27 @@ def test_host_staging_cpu_failures_are_typed(segments, dictfs, verify):
     k1 = segs[1][0]
     data = dictfs.handler.files[store.path(k1)]
     data[len(data) - 5000] ^= 0x01
+    layout, cache, items = cache_for(store, _keys(segs))
+
+    def restore(its):
+        return restore_once(store, its, cache=cache, layout=layout, model_fingerprint=FP, tier=tier, verify=verify)
+
     with _tier(store) as tier:
         with pytest.raises(IntegrityError, match=k1):
-            restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu", tier=tier, verify=verify)
+            restore(items)
         assert k1 not in tier
         tier.evict()
         assert tier.pool.in_use_bytes == 0
         data[len(data) - 5000] ^= 0x01  # repaired: the next restore reads it again and succeeds
-        result = restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu", tier=tier,
-                                      verify=verify)
+        result = restore(items)
         assert torch.equal(result.kv[1].view(torch.uint8), segs[1][1].view(torch.uint8))
         missing = "cd" * 32
         with pytest.raises(SegmentNotFound, match=missing):
-            restore_host_staging(store, _targets(segs) + [RestoreTarget(missing)], model_fingerprint=FP,
-                                 device="cpu", tier=tier, verify=verify)
+            restore(items + [RestoreItem(missing, torch.arange(1))])
         tier.evict()
         dictfs.handler.faults["read"] = fail_with()
         with pytest.raises(StorageError, match=segs[0][0]):
-            restore_host_staging(store, _targets(segs), model_fingerprint=FP, device="cpu", tier=tier, verify=verify)
+            restore(items)
         dictfs.handler.faults.clear()
         tier.evict()
         assert tier.pool.in_use_bytes == 0 and tier.resident() == []

@@ -1,5 +1,5 @@
 """Regressions of SegmentStore's pyarrow.fs path (a root that is not a plain local path), the host
-tier and restore_host_staging on it, found by an audit (each failed before its fix): a FIFO at the
+tier and the in-process restorer on it, found by an audit (each failed before its fix): a FIFO at the
 path hung the open, keys() listed nested files get() cannot find, a failed write on object storage
 deleted another writer's segment, an interrupt left the temporary, raw OSErrors from lookups and
 listings, a failed non-atomic move left a partial file under the final name, no store at a
@@ -27,11 +27,10 @@ from kmesh_host import (  # noqa: E402
     HostTierConfig,
     KmeshError,
     ModelFingerprint,
-    RestoreTarget,
     SegmentStore,
     StorageError,
-    restore_host_staging,
 )
+from tests.helpers.restore import fetch  # noqa: E402
 
 ROPE = {"base": 10000.0, "rotary_dim": 8, "is_neox_style": True}
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "float16", ROPE)
@@ -195,15 +194,14 @@ def test_store_at_the_root_of_a_uri():
 
 
 def test_host_staging_report_says_how_pyarrow_fs_reads_ran():
-    """Before its fix: routes.py _finish_report: with a pyarrow.fs store every object is read by one read_at on a
+    """Before its fix: the route's report (then routes.py _finish_report): with a pyarrow.fs store every object is read by one read_at on a
     loader thread (tier._load, non-local), yet the report says "page-cache reads (O_DIRECT
     unavailable) through io_uring ..., 4 KiB chunks ..., chunked as reads land" and facts["io"]
     "every chunk of every object at once" -- none of which ran."""
     st, h = dict_store()
     keys = [st.put(*item(T=40 + i, seed=10 + i), model_fingerprint=FP) for i in range(2)]
     with HostTier(st, HostTierConfig(pin=False, verify="none", chunk_bytes=4096, read_threads=2)) as tier:
-        rep = restore_host_staging(st, [RestoreTarget(k) for k in keys], model_fingerprint=FP, device="cpu",
-                                   tier=tier, verify="host").report
+        rep = fetch(st, keys, model_fingerprint=FP, tier=tier, verify="host").report
     assert rep.tier_sources == {"read": 2}
     assert "pyarrow.fs" in rep.mechanism, rep.mechanism
     assert "KiB chunks" not in rep.mechanism and "every chunk" not in str(rep.facts.get("io")), rep.facts["io"]

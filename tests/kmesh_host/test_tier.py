@@ -65,7 +65,7 @@ def test_singleflight_joins_and_propagates_failure():
 
     def work():
         calls.append(1)
-        gate.wait(10)
+        gate.wait(30)
         return "value"
 
     def opener():
@@ -81,7 +81,7 @@ def test_singleflight_joins_and_propagates_failure():
     gate.clear()
 
     def failing():
-        gate.wait(10)
+        gate.wait(30)
         raise IntegrityError("segment k: boom")
 
     threading.Thread(target=opener).start()
@@ -394,7 +394,9 @@ def test_entries_record_how_they_were_verified(store, keys, verify):
     tier.close()
 
 
-def test_on_chunk_streams_the_payload_in_order(store, keys):
+def test_on_chunk_streams_the_payload_in_order(direct_dir):
+    store = SegmentStore(direct_dir / "store")
+    keys = put_segments(store, 1)
     tier = tier_for(store, chunk_bytes=4096)
     seen = bytearray()
     ranges = []
@@ -422,12 +424,12 @@ def test_pyarrow_filesystem_tier():
 
 # ------------------------------------------------------------------ O_DIRECT reader
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 10000, 3 * 4096 + 5])
-def test_direct_reads_of_unaligned_sizes(tmp_path, size):
-    path = str(tmp_path / "f.bin")
+def test_direct_reads_of_unaligned_sizes(direct_dir, size):
+    path = str(direct_dir / "f.bin")
     data = os.urandom(size)
     open(path, "wb").write(data)
     with DirectFile(path) as f, ReadEngine(2, 4096) as engine, HostBuffer(size + 2 * ALIGN) as buf:
-        assert buf.address % ALIGN == 0
+        assert buf.address % ALIGN == 0 and f.o_direct
         assert bytes(engine.read(f, 0, size, buf.view)) == data
         for off, n in [(size // 2, size - size // 2), (size - 1, 1), (min(4096, size - 1), size - min(4096, size - 1))]:
             assert bytes(engine.read(f, off, n, buf.view)) == data[off: off + n]
@@ -447,8 +449,8 @@ def test_o_direct_refused_at_open_falls_back(tmp_path, monkeypatch):
         assert bytes(engine.read(f, 0, 5000, buf.view)) == data
 
 
-def test_o_direct_refused_at_read_falls_back(tmp_path, monkeypatch):
-    path = str(tmp_path / "f.bin")
+def test_o_direct_refused_at_read_falls_back(direct_dir, monkeypatch):
+    path = str(direct_dir / "f.bin")  # (the open must take O_DIRECT for its read to be refused)
     data = os.urandom(9000)
     open(path, "wb").write(data)
     real = os.preadv
@@ -585,13 +587,13 @@ def test_start_loads_joins_a_load_in_flight(store, keys, monkeypatch):
 
     def gated(self, view, offset):
         entered.set()
-        assert gate.wait(10)
+        assert gate.wait(30)
         return real(self, view, offset)
 
     monkeypatch.setattr(DirectFile, "pread_into", gated)
     first, second = Collector(1), Collector(1)
     tier.start_loads(keys[:1], model_fingerprint=FP, on_done=first.on_done)
-    assert entered.wait(10)
+    assert entered.wait(30)
     tier.start_loads(keys[:1], model_fingerprint=FP, on_done=second.on_done)
     wait_until(lambda: tier.waiting(keys[0]) == 1)
     gate.set()

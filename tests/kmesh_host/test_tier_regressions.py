@@ -22,15 +22,15 @@ from kmesh_host import (
     HostTier,
     HostTierConfig,
     KmeshError,
-    RestoreTarget,
     SegmentStore,
-    restore,
-    restore_host_staging,
     uring,
 )
 from kmesh_host.direct_io import ALIGN, DirectFile, HostBuffer, ReadEngine
+from tests.helpers.waiting import settle
+from tests.helpers.restore import cache_for, fetch, restore_once
 from tests.helpers.tier import FP, OTHER_FP, put_segments, tier_for, wait_until
 
+NEEDS_URING = pytest.mark.skipif(not uring.available()[0], reason=f"needs io_uring (here: {uring.available()[1]})")
 
 
 @pytest.fixture
@@ -56,14 +56,14 @@ def test_pipelined_load_with_host_check_finishes_while_joiners_hold_every_loader
     tier = tier_for(store, verify="sha256", io_engine="threads", parallel_loads=parallel_loads)
     gate = threading.Event()
     real = DirectFile.pread_into
-    monkeypatch.setattr(DirectFile, "pread_into", lambda self, v, o: (gate.wait(10), real(self, v, o))[1])
+    monkeypatch.setattr(DirectFile, "pread_into", lambda self, v, o: (gate.wait(30), real(self, v, o))[1])
     done = threading.Semaphore(0)
     for _ in range(parallel_loads + 1):  # the first leads, the others join on loader threads
         tier.start_loads([keys[0]], model_fingerprint=FP, on_done=lambda i, lease, err: (
             lease is not None and lease.release(), done.release()))
     wait_until(lambda: tier.waiting(keys[0]) == parallel_loads)
     gate.set()
-    end = time.monotonic() + 5
+    end = time.monotonic() + 30
     got = sum(done.acquire(timeout=max(0.0, end - time.monotonic())) for _ in range(parallel_loads + 1))
     unstick(tier)
     tier.close()
@@ -74,13 +74,12 @@ def test_two_children_restoring_one_segment_both_finish(store, keys, monkeypatch
     tier = tier_for(store, verify="sha256", io_engine="threads", parallel_loads=1)
     gate = threading.Event()
     real = DirectFile.pread_into
-    monkeypatch.setattr(DirectFile, "pread_into", lambda self, v, o: (gate.wait(10), real(self, v, o))[1])
+    monkeypatch.setattr(DirectFile, "pread_into", lambda self, v, o: (gate.wait(30), real(self, v, o))[1])
     out = []
 
     def child():
         try:
-            out.append(restore_host_staging(store, [RestoreTarget(keys[0])], model_fingerprint=FP, device="cpu",
-                                            tier=tier).report.tier_sources)
+            out.append(fetch(store, [keys[0]], model_fingerprint=FP, tier=tier).report.tier_sources)
         except BaseException as exc:  # noqa: BLE001
             out.append(exc)
 
@@ -91,12 +90,12 @@ def test_two_children_restoring_one_segment_both_finish(store, keys, monkeypatch
     b.start()
     wait_until(lambda: tier.waiting(keys[0]) == 1)
     gate.set()
-    a.join(5)
-    b.join(0.5)
+    a.join(30)
+    b.join(30)
     hung = a.is_alive() or b.is_alive()
     unstick(tier)
-    a.join(5)
-    b.join(5)
+    a.join(30)
+    b.join(30)
     tier.close()
     assert not hung, "both restores hung"
 
@@ -133,7 +132,7 @@ def _leader_and_joiner(tier, key, leader: dict, joiner: dict) -> tuple:
     for t in ts:
         t.start()
     for t in ts:
-        t.join(10)
+        t.join(30)
     return out["leader"], out["joiner"]
 
 
@@ -190,22 +189,23 @@ def test_start_loads_of_a_deleted_segment_reports_a_typed_error(store, keys):
     store.delete(keys[1])
     got, ev = [], threading.Event()
     tier.start_loads([keys[1]], model_fingerprint=FP, headers=[h], on_done=lambda i, l, e: (got.append(e), ev.set()))
-    assert ev.wait(10)
+    assert ev.wait(30)
     tier.close()
     assert isinstance(got[0], KmeshError), f"on_done got {type(got[0]).__name__}: {got[0]}"
 
 
 def test_route_over_a_deleted_segment_raises_typed(store, keys, monkeypatch):
     tier = tier_for(store, verify="none")
+    layout, cache, items = cache_for(store, keys)
     _delete_after_header(monkeypatch, store)
     with pytest.raises(KmeshError):
-        restore_host_staging(store, [RestoreTarget(k) for k in keys], model_fingerprint=FP, device="cpu", tier=tier)
+        restore_once(store, items, cache=cache, layout=layout, model_fingerprint=FP, tier=tier)
     tier.close()
 
 
-@pytest.mark.skipif(not uring.available()[0], reason="needs io_uring")
-def test_o_direct_fallback_keeps_the_descriptor_queued_reads_name(tmp_path, monkeypatch):
-    path, decoy = str(tmp_path / "seg.bin"), str(tmp_path / "decoy.bin")
+@NEEDS_URING
+def test_o_direct_fallback_keeps_the_descriptor_queued_reads_name(direct_dir, monkeypatch):
+    path, decoy = str(direct_dir / "seg.bin"), str(direct_dir / "decoy.bin")
     data = os.urandom(8 * ALIGN)
     open(path, "wb").write(data)
     open(decoy, "wb").write(b"\xAA" * (8 * ALIGN))
@@ -233,7 +233,7 @@ def test_o_direct_fallback_keeps_the_descriptor_queued_reads_name(tmp_path, monk
                 ev.set()
 
         reader.start(f, 0, 8 * ALIGN, buf.view, on_chunk)
-        assert ev.wait(10)
+        assert ev.wait(30)
         got = bytes(buf.view)
     for fd in opened:
         os.close(fd)
@@ -260,7 +260,7 @@ def test_start_loads_reports_every_key_when_the_engine_refuses_a_chunk(store, ke
         tier.start_loads(keys, model_fingerprint=FP, on_done=lambda i, l, e: reported.__setitem__(i, (l, e)))
     except BaseException as exc:  # noqa: BLE001
         reported["raised"] = exc
-    time.sleep(0.3)
+    settle(lambda: "raised" in reported or (len(reported) == 3 and tier.in_flight() == 0))
     left = tier.in_flight()
     for v in reported.values():
         if isinstance(v, tuple) and v[0] is not None:
@@ -296,7 +296,7 @@ def test_chunk_read_base_exception_frees_the_buffer_after_the_other_reads(store,
     monkeypatch.setattr(tier.pool, "release", lambda b: (log.append("buffer back in the pool"), real_release(b)))
     with pytest.raises(Cancelled):
         tier.acquire(keys[0], model_fingerprint=FP)
-    time.sleep(0.5)
+    settle(lambda: len(log) == 2)  # chunk 1's read ends (it was delayed), then the buffer goes back
     tier.close()
     assert log == ["chunk 1 read ended", "buffer back in the pool"], log
 
@@ -310,14 +310,14 @@ def test_overlapping_acquires_of_one_key_read_it_once(store, keys, monkeypatch):
         lease = real(key, **kw)
         if threading.current_thread().name == "B" and lease is None and not b_checked.is_set():
             b_checked.set()
-            a_done.wait(10)  # B preempted between its residency check and its singleflight call
+            a_done.wait(30)  # B preempted between its residency check and its singleflight call
         return lease
 
     monkeypatch.setattr(tier, "acquire_resident", acquire_resident)
     out = {}
 
     def a():
-        assert b_checked.wait(10)
+        assert b_checked.wait(30)
         out["A"] = tier.acquire(keys[0], model_fingerprint=FP)
         a_done.set()
 
@@ -328,7 +328,7 @@ def test_overlapping_acquires_of_one_key_read_it_once(store, keys, monkeypatch):
     for t in ts:
         t.start()
     for t in ts:
-        t.join(20)
+        t.join(60)
     for lease in out.values():
         lease.release()
     reads = tier.stats["reads"]
@@ -341,7 +341,7 @@ def _ring_fds():
                if os.path.exists(f"/proc/self/fd/{f}"))
 
 
-@pytest.mark.skipif(not uring.available()[0], reason="needs io_uring")
+@NEEDS_URING
 def test_closed_io_uring_tier_closes_its_ring(store, keys):
     base = _ring_fds()
     tier = tier_for(store, io_engine="io_uring")
@@ -361,13 +361,13 @@ def test_joined_child_does_not_read_again_when_the_leader_releases_first(store, 
 
     def held(self, view, offset):
         entered.set()
-        assert gate.wait(20)
+        assert gate.wait(60)
         return real_read(self, view, offset)
 
     def slow_wakeup(key, fn, **kw):  # a joiner scheduled late (after the leader's child ended)
         out = real_do(key, fn, **kw)
         if out[1]:
-            a_done.wait(20)
+            a_done.wait(60)
         return out
 
     monkeypatch.setattr(DirectFile, "pread_into", held)
@@ -375,19 +375,16 @@ def test_joined_child_does_not_read_again_when_the_leader_releases_first(store, 
     out = {}
 
     def child(name):
-        out[name] = restore("host_staging", store, [RestoreTarget(k) for k in keys], model_fingerprint=FP,
-                            device="cpu", tier=tier, verify="host")
+        out[name] = fetch(store, keys, model_fingerprint=FP, tier=tier, verify="host")
         if name == "a":
             a_done.set()
 
     a = threading.Thread(target=child, args=("a",))
     a.start()
-    assert entered.wait(10)
+    assert entered.wait(30)
     b = threading.Thread(target=child, args=("b",))
     b.start()
-    end = time.monotonic() + 10
-    while sum(tier.waiting(k) for k in keys) < 3 and time.monotonic() < end:
-        time.sleep(0.005)
+    settle(lambda: sum(tier.waiting(k) for k in keys) >= 3)
     gate.set()
     a.join(30)
     b.join(30)
@@ -433,8 +430,8 @@ def test_a_load_dropped_before_it_settles_reserves_nothing_for_its_joiners(store
     wait_until(lambda: tier.in_flight() == 1)
     second = threading.Thread(target=call)
     second.start()
-    first.join(20)
-    second.join(20)
+    first.join(60)
+    second.join(60)
     monkeypatch.setattr(tier, "_load", real_load)
     assert not errors, errors
     assert len(out) == 2 and all(not lease._entry.dropped for lease in out)
