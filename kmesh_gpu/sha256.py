@@ -615,7 +615,7 @@ def tree_digests(data, offsets, lengths, *, leaf_size: int = DEFAULT_LEAF_SIZE, 
         if out is not None and (backend == "auto" or backend == "cupy") \
                 and _tree_launch(data, offsets, lengths, leaf_size, fanout, stream, out):
             return out
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=data.device)):
             return tree_digests(data, offsets, lengths, leaf_size=leaf_size, fanout=fanout, backend=backend, out=out)
     if backend == "auto" or backend == "cupy":
         got = _tree_fast(data, offsets, lengths, leaf_size, fanout)

@@ -177,17 +177,6 @@ def test_driver_event_fences_a_host_buffer_until_its_copy_ran():
 
 
 @pytest.mark.gpu
-def test_caller_stream_records_driver_events():
-    from kmesh_host._streams import _CallerStream
-
-    streams = _CallerStream(torch.device("cuda"))
-    event = streams.copied()
-    assert isinstance(event, cuda.DriverEvent)
-    streams.sync()
-    assert event.query()
-
-
-@pytest.mark.gpu
 def test_a_dropped_driver_event_is_handed_out_again_and_orders_its_new_record():
     """A dropped DriverEvent's handle goes back to its context's pool: the next create() gets it,
     and a record made by the new owner is what queries and waits see (not the old one's)."""

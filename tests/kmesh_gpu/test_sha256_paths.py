@@ -384,7 +384,7 @@ def test_a_repeated_call_on_a_stream_is_one_launch_into_an_out_it_accepts(host_l
     read wrongly (another dtype, shape, a strided view) never takes that launch: the full path
     writes it row by row or refuses it by name."""
     launches, checks, stream = host_launcher
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle: handle)  # CPU stand-ins of the stream
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device=None: handle)  # CPU stand-ins of the stream
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     data = _bytes(86, 300_000)
     raw = data.numpy().tobytes()
