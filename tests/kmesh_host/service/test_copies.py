@@ -286,6 +286,6 @@ def test_device_copy_of_an_original_follows_evict(client):
             assert client.evict(key) is True
             originals = client.status()["originals"]
             assert originals["device_keys"] == 0 and key in SegmentStore(originals["store_root"])
-            cache.view(torch.uint8).fill_(POISON)
+            cache.view(layout.storage_dtype).fill_(POISON)  # as layout.allocate(fill=) writes it
     finally:
         assert client.close_registration(reg, timeout=60) is True
